@@ -1,0 +1,1 @@
+"""The load generator (`tsukimi-loadgen`): replays traces and synthetic arrivals against an OpenAI-compatible URL."""

@@ -1,0 +1,1 @@
+"""The tsukimi services: gateway, scheduler, prefill, decode, cache-store (each `python -m services.<name>`)."""

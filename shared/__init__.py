@@ -1,0 +1,1 @@
+"""tsukimi: what every service imports (config, protocol, blocks, model, engine)."""

@@ -1,0 +1,1 @@
+"""Benchmark helpers for `tsukimi bench` (roofline, transformers baseline); not imported by services."""

@@ -1,0 +1,398 @@
+"""KV block identity (the chained block hash of docs/block-hash.md) and the paged block manager.
+
+Owns block ids, reference counts, the prefix-cache index and its LRU; owns no tensors (no torch here).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+NAMESPACE_VERSION = "tsukimi/v1"
+_PARENT = struct.Struct("<Q")  # the parent hash: 8 bytes, little-endian
+_U32 = next(code for code in ("I", "L") if array(code).itemsize == 4)
+_IS_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def make_namespace(model_fingerprint: str, kv_codec: str) -> bytes:
+    """The namespace bytes that seed every hash chain: UTF-8 of ``"tsukimi/v1|<fingerprint>|<codec>"``.
+
+    Args:
+        model_fingerprint: identifies the model weights (for example a digest of the GGUF file).
+        kv_codec: the KV codec name (``"fp16"``, a KVQuant codec, ...); codecs never share block ids.
+
+    Raises:
+        ValueError: a field is empty or contains ``"|"`` (the encoding would be ambiguous).
+    """
+    for name, value in (("model_fingerprint", model_fingerprint), ("kv_codec", kv_codec)):
+        if not value or "|" in value:
+            raise ValueError(f"{name} must be non-empty and must not contain '|': {value!r}")
+    return f"{NAMESPACE_VERSION}|{model_fingerprint}|{kv_codec}".encode()
+
+
+def _u32_array(token_ids: Sequence[int]) -> array[int]:
+    try:
+        return array(_U32, token_ids)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must lie in [0, 2**32): {exc}") from exc
+
+
+def _le_bytes(tokens: array[int]) -> bytes:
+    if _IS_BIG_ENDIAN:
+        tokens = array(_U32, tokens)
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+def _chain(parent: int | None, block_bytes: bytes, namespace: bytes) -> int:
+    if parent is None:
+        return xxhash.xxh3_64_intdigest(namespace + block_bytes)
+    try:
+        prefix = _PARENT.pack(parent)
+    except struct.error as exc:
+        raise ValueError(f"parent hash must lie in [0, 2**64): {parent!r}") from exc
+    return xxhash.xxh3_64_intdigest(prefix + block_bytes)
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], namespace: bytes) -> int:
+    """One block's id: ``xxh3_64(namespace || tokens)`` for a first block, else ``xxh3_64(parent || tokens)``.
+
+    Args:
+        parent: the previous block's id (an unsigned 64-bit int), or None for the first block of a sequence.
+        token_ids: the block's tokens, each encoded as a little-endian uint32.
+        namespace: from ``make_namespace``; hashed only into a first block (later ones inherit it via parent).
+
+    Raises:
+        ValueError: token_ids is empty, a token or the parent is out of range.
+    """
+    if len(token_ids) == 0:
+        raise ValueError("a block holds at least one token")
+    return _chain(parent, _le_bytes(_u32_array(token_ids)), namespace)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[int]:
+    """The chained ids of the full blocks of ``token_ids``; a partial tail block has no id.
+
+    Raises:
+        ValueError: block_size is not positive or a token is out of range.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive: {block_size}")
+    data = _le_bytes(_u32_array(token_ids))
+    step = 4 * block_size
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(data) - step + 1, step):
+        parent = _chain(parent, data[start : start + step], namespace)
+        hashes.append(parent)
+    return hashes
+
+
+class OutOfBlocks(Exception):
+    """The free pool holds fewer blocks than an operation needs; the manager's state is unchanged."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStats:
+    num_cached_blocks: int  # entries in the prefix-cache index
+    num_evictions: int  # cached blocks evicted to hand out fresh ones
+    num_reused_blocks_total: int  # blocks handed to new sequences by prefix reuse
+
+
+@dataclass(slots=True)
+class _Seq:
+    token_ids: array[int]
+    block_ids: list[int]
+    num_computed: int
+    hashes: list[int] = field(default_factory=list)  # chained ids of the first len(hashes) full blocks
+
+
+class BlockManager:
+    """Pages sequences onto ``num_blocks`` physical blocks of ``block_size`` token slots, reusing prefixes.
+
+    Every block is in exactly one state: free (contents are garbage), cached-unreferenced (registered in
+    the prefix index, waiting in an LRU, evictable), or referenced by one or more sequences. Only full blocks
+    whose KV the caller reported computed (``mark_computed``) are registered, so a reused block holds valid
+    KV. Operations cost O(1) per block touched, plus O(block_size) per block hashed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, namespace: bytes = b"") -> None:
+        """Raises ValueError if num_blocks or block_size is not positive."""
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive: {num_blocks}, {block_size}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._namespace = bytes(namespace)
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks  # set only while registered in _index
+        self._block_tokens: list[array[int] | None] = [None] * num_blocks  # same
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, int] = OrderedDict()  # block id -> hash, least recently freed first
+        self._index: dict[int, int] = {}  # block hash -> block id
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._num_evictions = 0
+        self._num_reused_blocks_total = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def namespace(self) -> bytes:
+        return self._namespace
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free ones plus cached-unreferenced (evictable) ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def stats(self) -> BlockStats:
+        return BlockStats(len(self._index), self._num_evictions, self._num_reused_blocks_total)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def num_reusable_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens ``allocate(token_ids)`` would reuse (a multiple of block_size); read-only.
+
+        Only full blocks inside ``token_ids[:-1]`` count: the caller must always compute the last token.
+        """
+        reused, _ = self._match_prefix(_u32_array(token_ids))
+        return len(reused) * self._block_size
+
+    def blocks_needed(self, token_ids: Sequence[int]) -> int:
+        """How many blocks ``allocate(token_ids)`` would take out of ``num_free_blocks``.
+
+        That is the fresh blocks past the reused prefix plus the reused blocks now cached-unreferenced (they
+        leave the evictable LRU), so ``allocate`` succeeds iff ``blocks_needed(t) <= num_free_blocks``.
+        """
+        tokens = _u32_array(token_ids)
+        reused, _ = self._match_prefix(tokens)
+        return self._pool_cost(len(tokens), reused)
+
+    def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """Whether appending ``num_tokens`` tokens would succeed now. Raises KeyError for unknown seq_id."""
+        return self._num_new_blocks(self._seqs[seq_id], num_tokens) <= self.num_free_blocks
+
+    def block_ids(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's block table. Raises KeyError for an unknown seq_id."""
+        return list(self._seqs[seq_id].block_ids)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self._seqs[seq_id].token_ids)
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        return self._seqs[seq_id].num_computed
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def block_token_ids(self, block_id: int) -> tuple[int, ...]:
+        """The tokens of a block registered in the prefix index. Raises KeyError for an unregistered block."""
+        tokens = self._block_tokens[block_id]
+        if tokens is None:
+            raise KeyError(f"block {block_id} is not registered in the prefix index")
+        return tuple(tokens)
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Create the block table of a new sequence holding ``token_ids``, reusing cached prefix blocks.
+
+        Reuses the longest chain of cached computed full blocks inside ``token_ids[:-1]`` and takes fresh
+        blocks for the rest (evicting least recently freed cached blocks when the free list is empty). The new
+        sequence starts with its reused tokens counted as computed.
+
+        Returns:
+            The number of reused tokens, a multiple of block_size.
+
+        Raises:
+            ValueError: seq_id already exists, token_ids is empty, or a token is out of range.
+            OutOfBlocks: the free pool is too small; no state changes.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens = _u32_array(token_ids)
+        if len(tokens) == 0:
+            raise ValueError("cannot allocate an empty sequence")
+        reused, hashes = self._match_prefix(tokens)
+        cost = self._pool_cost(len(tokens), reused)
+        if cost > self.num_free_blocks:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {cost} blocks, {self.num_free_blocks} free")
+        for block_id in reused:
+            if self._ref_counts[block_id] == 0:
+                del self._evictable[block_id]
+            self._ref_counts[block_id] += 1
+        fresh = self._take_fresh(self._num_blocks_for(len(tokens)) - len(reused))
+        num_reused = len(reused) * self._block_size
+        self._seqs[seq_id] = _Seq(tokens, reused + fresh, num_reused, hashes)
+        self._num_reused_blocks_total += len(reused)
+        return num_reused
+
+    def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Extend the sequence with more tokens (generated ones, say), taking fresh blocks as needed.
+
+        Raises:
+            KeyError: unknown seq_id.
+            ValueError: a token is out of range.
+            OutOfBlocks: not enough free blocks; no state changes.
+        """
+        seq = self._seqs[seq_id]
+        tokens = _u32_array(token_ids)
+        needed = self._num_new_blocks(seq, len(tokens))
+        if needed > self.num_free_blocks:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {needed} more blocks, {self.num_free_blocks} free")
+        seq.block_ids.extend(self._take_fresh(needed))
+        seq.token_ids.extend(tokens)
+
+    def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
+        """Record that KV is now written for the sequence's first ``num_computed_tokens`` tokens.
+
+        Every full block newly inside that range is registered in the prefix index under its chained hash,
+        unless another block already holds that hash (that registration stays; this copy stays private).
+
+        Raises:
+            KeyError: unknown seq_id.
+            ValueError: num_computed_tokens is below the current count or above the sequence's length.
+        """
+        seq = self._seqs[seq_id]
+        if not seq.num_computed <= num_computed_tokens <= len(seq.token_ids):
+            bounds = f"[{seq.num_computed}, {len(seq.token_ids)}]"
+            raise ValueError(f"num_computed_tokens {num_computed_tokens} outside {bounds}")
+        size = self._block_size
+        end = num_computed_tokens // size
+        self._extend_hashes(seq, end)
+        for i in range(seq.num_computed // size, end):
+            block_hash, block_id = seq.hashes[i], seq.block_ids[i]
+            if block_hash not in self._index:
+                self._index[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_tokens[block_id] = seq.token_ids[i * size : (i + 1) * size]
+        seq.num_computed = num_computed_tokens
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence; each of its blocks loses a reference.
+
+        A block left with no references joins the evictable LRU if it is registered (last block first, so a
+        prefix's head is evicted after its tail), else goes straight back to the free list.
+
+        Raises:
+            KeyError: unknown seq_id.
+        """
+        seq = self._seqs.pop(seq_id)
+        for block_id in reversed(seq.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] > 0:
+                continue
+            block_hash = self._block_hash[block_id]
+            if block_hash is None:
+                self._free.append(block_id)
+            else:
+                self._evictable[block_id] = block_hash
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def _num_new_blocks(self, seq: _Seq, num_tokens: int) -> int:
+        return self._num_blocks_for(len(seq.token_ids) + num_tokens) - len(seq.block_ids)
+
+    def _pool_cost(self, num_tokens: int, reused: list[int]) -> int:
+        num_revived = sum(1 for block_id in reused if self._ref_counts[block_id] == 0)
+        return self._num_blocks_for(num_tokens) - len(reused) + num_revived
+
+    def _match_prefix(self, tokens: array[int]) -> tuple[list[int], list[int]]:
+        """The cached blocks reusable for ``tokens`` and the chained hashes computed on the way."""
+        size = self._block_size
+        reused: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range((len(tokens) - 1) // size):
+            block_tokens = tokens[i * size : (i + 1) * size]
+            parent = _chain(parent, _le_bytes(block_tokens), self._namespace)
+            hashes.append(parent)
+            block_id = self._index.get(parent)
+            # A hit whose stored tokens differ is a 64-bit hash collision: treat it as a miss.
+            if block_id is None or self._block_tokens[block_id] != block_tokens:
+                break
+            reused.append(block_id)
+        return reused, hashes
+
+    def _extend_hashes(self, seq: _Seq, num_full_blocks: int) -> None:
+        size = self._block_size
+        for i in range(len(seq.hashes), num_full_blocks):
+            parent = seq.hashes[i - 1] if i > 0 else None
+            block_bytes = _le_bytes(seq.token_ids[i * size : (i + 1) * size])
+            seq.hashes.append(_chain(parent, block_bytes, self._namespace))
+
+    def _take_fresh(self, count: int) -> list[int]:
+        """Take ``count`` blocks, free list first, then evicting least recently freed cached ones."""
+        taken: list[int] = []
+        for _ in range(count):
+            if self._free:
+                block_id = self._free.popleft()
+            else:
+                block_id, block_hash = self._evictable.popitem(last=False)
+                del self._index[block_hash]
+                self._block_hash[block_id] = None
+                self._block_tokens[block_id] = None
+                self._num_evictions += 1
+            self._ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block states, reference counts or the prefix index are inconsistent."""
+        holders = [0] * self._num_blocks
+        for seq_id, seq in self._seqs.items():
+            self._check_seq(seq_id, seq)
+            for block_id in seq.block_ids:
+                holders[block_id] += 1
+        _require(holders == self._ref_counts, f"ref counts {self._ref_counts} != table holders {holders}")
+        free, evictable = set(self._free), set(self._evictable)
+        referenced = {b for b in range(self._num_blocks) if self._ref_counts[b] > 0}
+        _require(len(free) == len(self._free), "a block is twice on the free list")
+        num_in_states = len(free) + len(evictable) + len(referenced)
+        _require(
+            len(free | evictable | referenced) == num_in_states == self._num_blocks,
+            f"blocks not in exactly one state: free {free}, evictable {evictable}, referenced {referenced}",
+        )
+        for block_id in free:
+            _require(self._block_hash[block_id] is None, f"free block {block_id} is registered")
+        for block_id, block_hash in self._evictable.items():
+            _require(self._block_hash[block_id] == block_hash, f"evictable block {block_id} not registered")
+        for block_hash, block_id in self._index.items():
+            _require(self._block_hash[block_id] == block_hash, f"index entry {block_hash:#x} -> {block_id}")
+        num_registered = sum(1 for h in self._block_hash if h is not None)
+        _require(num_registered == len(self._index), "a block is registered outside the index")
+        num_with_tokens = sum(1 for t in self._block_tokens if t is not None)
+        _require(num_with_tokens == num_registered, "stored block tokens out of step with registrations")
+
+    def _check_seq(self, seq_id: Hashable, seq: _Seq) -> None:
+        size = self._block_size
+        expected = block_hashes(seq.token_ids, size, self._namespace)
+        _require(len(seq.block_ids) == self._num_blocks_for(len(seq.token_ids)), f"{seq_id!r}: table size")
+        _require(len(set(seq.block_ids)) == len(seq.block_ids), f"{seq_id!r}: a block twice in one table")
+        _require(0 <= seq.num_computed <= len(seq.token_ids), f"{seq_id!r}: num_computed out of range")
+        _require(seq.hashes == expected[: len(seq.hashes)], f"{seq_id!r}: stale chained hashes")
+        for i, block_id in enumerate(seq.block_ids):
+            if self._block_hash[block_id] is None:
+                continue
+            where = f"{seq_id!r} block {i} (id {block_id})"
+            _require((i + 1) * size <= seq.num_computed, f"{where}: registered but not computed")
+            _require(self._block_hash[block_id] == expected[i], f"{where}: hash mismatch")
+            tokens = seq.token_ids[i * size : (i + 1) * size]
+            _require(self._block_tokens[block_id] == tokens, f"{where}: holds other tokens")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,1 @@
+"""The `tsukimi` command line: generate, chat, bench."""

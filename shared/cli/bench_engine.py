@@ -1,0 +1,171 @@
+"""`tsukimi bench engine`: tsukimi's engine against Hugging Face transformers, same model, dtype and shapes.
+
+Prints prefill and decode tokens/s for both, their ratios, and this machine's decode roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from shared.bench.hf_baseline import load_transformers_model, measure_transformers, random_prompts
+from shared.bench.roofline import (
+    decode_roofline,
+    measure_matmul_peak,
+    measure_memory_bandwidth,
+    measure_weight_streaming,
+    weight_streaming_bound_s,
+)
+from shared.cli.common import CliError, add_engine_args, engine_config_from_args, positive_int
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling import SamplingParams
+from shared.model.checkpoint import load_checkpoint
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    prefill_tok_s: float
+    decode_tok_s: float
+    decode_step_s: float
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    batch_size: int
+    dtype: str
+    tsukimi_prefill_tok_s: float
+    transformers_prefill_tok_s: float
+    tsukimi_decode_tok_s: float
+    transformers_decode_tok_s: float
+    prefill_ratio: float
+    decode_ratio: float
+    roofline_decode_tok_s: float
+    tsukimi_decode_step_ms: float
+    weight_streaming_bound_ms: float
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be positive integers")
+    return sizes
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (see: tsukimi bench engine --help)")
+    kinds = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    parser = kinds.add_parser(
+        "engine", help="engine throughput against transformers",
+        description="Measure tsukimi's engine and Hugging Face transformers `generate` in the same run with the "
+        "same model, dtype and random prompts: prefill tokens/s (whole batch in one pass) and decode tokens/s "
+        "(decode only: for transformers, a run of gen-len+1 tokens minus a run of 1). Also prints this machine's "
+        "roofline for one decode step (weights and KV over measured memory bandwidth, FLOPs over measured "
+        "matmul peak) and the weight-streaming bound (weights over the rate a decode-shaped matmul streams them).",
+    )
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="default: 1,8,32")
+    parser.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per prompt (default: 128)")
+    parser.add_argument("--gen-len", type=positive_int, default=32, help="decode tokens measured (default: 32)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; median (default: 3)")
+    parser.add_argument("--skip-transformers", action="store_true", help="measure tsukimi only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with `results`")
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def measure_tsukimi(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> EngineResult:
+    """Prefill the whole batch, then decode gen_len tokens per sequence; prefix caching must be off."""
+    params = SamplingParams(max_tokens=gen_len + 1, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+    start = time.perf_counter()
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started.update(out.request_id for out in engine.step())
+    prefilled = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    end = time.perf_counter()
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    return EngineResult(
+        prefill_tok_s=num_prompt_tokens / (prefilled - start),
+        decode_tok_s=len(prompts) * gen_len / (end - prefilled),
+        decode_step_s=(end - prefilled) / gen_len,
+    )
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    largest = max(args.batch_sizes) * args.prompt_len
+    config = engine_config_from_args(
+        args, enable_prefix_caching=False, max_num_seqs=max(args.batch_sizes),
+        max_num_batched_tokens=max(2048, largest),
+    )
+    _log("loading the model...")
+    checkpoint = load_checkpoint(args.model)
+    try:
+        engine = LLMEngine(checkpoint, config)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    model_config, dtype = checkpoint.config, config.torch_dtype
+    hf_model = None if args.skip_transformers else load_transformers_model(checkpoint.path, dtype)
+    _log("measuring memory bandwidth and matmul peak...")
+    bandwidth, peak = measure_memory_bandwidth(), measure_matmul_peak(dtype)
+    rows = []
+    for batch_size in args.batch_sizes:
+        _log(f"batch {batch_size}: tsukimi...")
+        prompts = random_prompts(batch_size, args.prompt_len, model_config.vocab_size, seed=batch_size)
+        measure_tsukimi(engine, prompts[:1], 2)  # warm-up
+        ours = [measure_tsukimi(engine, prompts, args.gen_len) for _ in range(args.repeats)]
+        theirs_prefill = theirs_decode = float("nan")
+        if hf_model is not None:
+            _log(f"batch {batch_size}: transformers...")
+            hf = measure_transformers(hf_model, batch_size, args.prompt_len, args.gen_len, repeats=args.repeats)
+            theirs_prefill, theirs_decode = hf.prefill_tok_s, hf.decode_tok_s
+        context = args.prompt_len + args.gen_len / 2
+        roof = decode_roofline(model_config, batch_size, context, dtype, bandwidth, peak)
+        streaming = measure_weight_streaming(model_config, batch_size, dtype)
+        prefill = _median([r.prefill_tok_s for r in ours])
+        decode = _median([r.decode_tok_s for r in ours])
+        rows.append(BenchRow(
+            batch_size=batch_size, dtype=args.dtype,
+            tsukimi_prefill_tok_s=round(prefill, 1), transformers_prefill_tok_s=round(theirs_prefill, 1),
+            tsukimi_decode_tok_s=round(decode, 1), transformers_decode_tok_s=round(theirs_decode, 1),
+            prefill_ratio=round(prefill / theirs_prefill, 2), decode_ratio=round(decode / theirs_decode, 2),
+            roofline_decode_tok_s=round(roof.tok_s, 1),
+            tsukimi_decode_step_ms=round(1000 * _median([r.decode_step_s for r in ours]), 2),
+            weight_streaming_bound_ms=round(1000 * weight_streaming_bound_s(model_config, batch_size, dtype, streaming), 2),
+        ))
+    machine = {"memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_gflop_s": round(peak / 1e9, 1)}
+    if args.json:
+        print(json.dumps({"machine": machine, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+                          "results": [asdict(r) for r in rows]}, indent=2))
+    else:
+        _print_table(rows, machine, args)
+    return 0
+
+
+def _print_table(rows: list[BenchRow], machine: dict[str, float], args: argparse.Namespace) -> None:
+    print(f"prompt {args.prompt_len} tokens, decode {args.gen_len} tokens, {args.dtype}, median of {args.repeats}; "
+          f"memory {machine['memory_bandwidth_gb_s']} GB/s, matmul peak {machine['matmul_peak_gflop_s']} GFLOP/s")
+    header = ("batch", "prefill tok/s", "hf prefill", "ratio", "decode tok/s", "hf decode", "ratio",
+              "roofline", "step ms", "weight bound ms")
+    print("  ".join(f"{h:>14}" for h in header))
+    for r in rows:
+        cells = (r.batch_size, r.tsukimi_prefill_tok_s, r.transformers_prefill_tok_s, r.prefill_ratio,
+                 r.tsukimi_decode_tok_s, r.transformers_decode_tok_s, r.decode_ratio, r.roofline_decode_tok_s,
+                 r.tsukimi_decode_step_ms, r.weight_streaming_bound_ms)
+        print("  ".join(f"{c:>14}" for c in cells))

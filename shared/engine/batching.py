@@ -1,0 +1,135 @@
+"""Continuous batching: which sequences run in the next step and how many of their tokens (chunked prefill).
+
+Owns the waiting queue, the running set and admission against the block manager; it does not touch tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.blocks import BlockManager, OutOfBlocks
+from shared.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at its `num_computed_tokens`, go through the model this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every known token has KV, so the sequence is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: list[ScheduledChunk]  # every single-token chunk (decode-shaped) first, then the longer ones
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Plans each step: every running sequence advances (decode first), then waiting prompts fill the token budget.
+
+    When the pool cannot hold one more token for a running sequence, the most recently admitted one is preempted:
+    its blocks are freed and it goes back to the front of the queue to be recomputed (its full blocks usually come
+    back from the prefix cache).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        needed = -(-seq.num_tokens // self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks but the whole pool has {self.block_manager.num_blocks}"
+            )
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.request_id in self.block_manager:
+            self.block_manager.free(seq.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        preempted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        decode: list[ScheduledChunk] = []
+        prefill: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted while making room for an earlier one
+                continue
+            if budget <= 0:
+                break
+            if not self._reserve_slots(seq, preempted):
+                continue
+            num = min(seq.num_uncomputed_tokens, budget)
+            budget -= num
+            (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            try:
+                cached = self.block_manager.allocate(seq.request_id, seq.token_ids)
+            except OutOfBlocks:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            self.running.append(seq)
+            num = min(seq.num_uncomputed_tokens, budget)
+            budget -= num
+            (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
+        return StepPlan(decode + prefill, preempted)
+
+    def _reserve_slots(self, seq: Sequence, preempted: list[Sequence]) -> bool:
+        """Make the block table cover every known token, preempting later sequences if needed."""
+        missing = seq.token_ids[self.block_manager.num_tokens(seq.request_id) :]
+        while missing and not self.block_manager.can_append(seq.request_id, len(missing)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        if missing:
+            self.block_manager.append(seq.request_id, missing)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
+    def finish_step(self, plan: StepPlan) -> None:
+        """Record that the planned chunks were computed (and, with prefix caching, publish their full blocks)."""
+        for chunk in plan.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if self.enable_prefix_caching:
+                self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.num_computed_tokens)

@@ -1,0 +1,181 @@
+"""The engine loop: add requests, step, stream outputs; stop conditions (EOS, stop strings, max tokens, abort).
+
+`LLMEngine` is synchronous and single-threaded; services drive it from an executor thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared.blocks import BlockManager, make_namespace
+from shared.engine.batching import Scheduler
+from shared.engine.config import EngineConfig
+from shared.engine.runner import ModelRunner
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
+from shared.model.checkpoint import Checkpoint, load_checkpoint
+from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens and text, and the finish reason once finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache with prefix reuse.
+
+    Args:
+        checkpoint: model files (config, weights, tokenizer).
+        config: engine settings.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.model_config = checkpoint.config
+        self.runner = ModelRunner(checkpoint, self.config)
+        self.block_manager = BlockManager(
+            self.runner.pool.num_blocks, self.config.block_size, make_namespace(checkpoint.fingerprint, "fp16")
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+            self.config.enable_prefix_caching,
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._order = itertools.count()
+
+    @classmethod
+    def from_path(cls, model_path: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a GGUF file or safetensors folder (None: the default SmolLM2 model) and build an engine."""
+        return cls(load_checkpoint(model_path), config)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError for an empty or too long prompt or a duplicate id."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.model_config.max_position
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}")
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, next(self._order))
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request and free its blocks; None when it is unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, FinishReason.ABORT, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the planned batch; returns an output for every request that advanced."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks}
+        sampled = self.runner.execute(plan, tables)
+        self.scheduler.finish_step(plan)
+        outputs = []
+        for request_id, token in sampled.items():
+            outputs.append(self._accept_token(self._seqs[request_id], token))
+        return outputs
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:
+        """Run prompts to completion together (a convenience for the CLI, tests and benchmarks)."""
+        ids = []
+        for prompt in prompts:
+            request_id = f"gen-{next(self._order)}"
+            self.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        done: dict[str, Completion] = {}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while len(done) < len(ids):
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    done[out.request_id] = Completion(
+                        out.request_id, "".join(texts[out.request_id]), tokens[out.request_id],
+                        out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
+                    )
+        return [done[i] for i in ids]
+
+    def _accept_token(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.params
+        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            return self._finish(seq, FinishReason.STOP, [])
+        seq.token_ids.append(token)
+        seq.text += self._detokenizers[seq.request_id].push(token)
+        if params.stop and self._truncate_at_stop(seq):
+            return self._finish(seq, FinishReason.STOP, [token])
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_position:
+            return self._finish(seq, FinishReason.LENGTH, [token])
+        # Hold back text that might be the start of a stop string until it is decided.
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        return self._emit(seq, [token], max(seq.num_emitted_chars, len(seq.text) - hold), None)
+
+    def _truncate_at_stop(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.stop_checked_chars - longest + 1)
+        hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+        seq.stop_checked_chars = len(seq.text)
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True
+
+    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int]) -> RequestOutput:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.runner.sampler.forget(seq.request_id)
+        del self._seqs[seq.request_id], self._detokenizers[seq.request_id]
+        return self._emit(seq, new_tokens, len(seq.text), reason)
+
+    @staticmethod
+    def _emit(seq: Sequence, tokens: list[int], upto: int, reason: FinishReason | None) -> RequestOutput:
+        new_text = seq.text[seq.num_emitted_chars : upto]
+        seq.num_emitted_chars = max(seq.num_emitted_chars, upto)
+        return RequestOutput(
+            seq.request_id, tokens, new_text, reason, seq.num_prompt_tokens, seq.num_output_tokens,
+            seq.num_cached_tokens,
+        )

@@ -1,0 +1,88 @@
+"""The paged KV pool (one tensor for every layer's K and V) and the per-step attention context over it.
+
+Owns the pool tensors and the step metadata (slots, block tables); block bookkeeping is `shared.blocks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import KernelBackend
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, store_kv
+from shared.model.config import LlamaConfig
+
+
+class KVPool:
+    """K and V of every layer: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return config.kv_elements_per_token * block_size * element_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensor[layer_idx, 0], self.tensor[layer_idx, 1]
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """A run of >1 new tokens of one sequence inside the step's flat token list."""
+
+    start: int  # first row in the step's token list
+    num_tokens: int
+    context_len: int  # tokens visible after this chunk (cached + earlier chunks + this one)
+    block_table: torch.Tensor  # [num_blocks_of_seq]
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Where each token's K/V goes and what each query may see; shared by all layers of one step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat pool slot of each token
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token sequences
+    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks]
+    decode_context_lens: torch.Tensor  # [num_decode_tokens]
+    prefill_segments: list[PrefillSegment]
+
+
+class PagedAttention:
+    """The model's `AttentionContext` for one step: store this step's K/V, then attend over the pool."""
+
+    def __init__(self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend) -> None:
+        self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, backend = self.meta, self.backend
+        k_cache, v_cache = self.pool.layer(layer_idx)
+        store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)
+        num_decode = meta.num_decode_tokens
+        if not meta.prefill_segments:
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, backend
+            )
+        out = torch.empty_like(q)
+        if num_decode:
+            out[:num_decode] = paged_decode_attention(
+                q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, backend,
+            )
+        for seg in meta.prefill_segments:
+            rows = slice(seg.start, seg.start + seg.num_tokens)
+            out[rows] = paged_prefill_attention(
+                q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
+            )
+        return out

@@ -1,0 +1,122 @@
+"""The model runner: owns the model, the KV pool and every tensor; turns a step plan into one forward pass.
+
+It does not decide what runs (that is `batching.Scheduler`) nor what text comes out (that is `engine.LLMEngine`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import KernelBackend, select_backend
+from shared.engine.batching import ScheduledChunk, StepPlan
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import KVPool, PagedAttention, PrefillSegment, StepMetadata
+from shared.engine.sampling import Sampler
+from shared.engine.sequence import Sequence
+from shared.model.checkpoint import Checkpoint
+from shared.model.llama import Llama, build_model
+
+
+class ModelRunner:
+    """Runs forward passes over the paged KV pool.
+
+    Args:
+        checkpoint: the loaded model files.
+        config: engine settings (device, dtype, pool size, kernels).
+    Raises:
+        ValueError: the pool budget cannot hold even one block per sequence limit, or an unknown kernel backend.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.model_config = checkpoint.config
+        self.model: Llama = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device)
+        self.block_size = config.block_size
+        per_block = KVPool.bytes_per_block(checkpoint.config, config.block_size, self.dtype)
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks; need at least 2")
+        self.pool = KVPool(checkpoint.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.backend: KernelBackend = select_backend(config.kernels, self.device)
+        self.scale = checkpoint.config.head_dim**-0.5
+        self.sampler = Sampler()
+        self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
+
+    def execute(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> dict[str, int]:
+        """Run one step; returns the sampled token of every sequence whose chunk completes it."""
+        input_ids, positions, slots = self._flatten(plan.chunks, block_tables)
+        meta = self._metadata(plan.chunks, block_tables, slots)
+        with torch.inference_mode():
+            ctx = PagedAttention(self.pool, meta, self.scale, self.backend)
+            hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
+            rows, seqs = self._sample_rows(plan.chunks)
+            if not rows:
+                return {}
+            logits = self.model.compute_logits(hidden[self._tensor(rows)])
+            self._suppress_early_eos(logits, seqs)
+        tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+        return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
+
+    def _suppress_early_eos(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Below `min_tokens`, end-of-sequence tokens cannot be sampled (vLLM's and transformers' semantics)."""
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                logits[row, self.eos_token_ids] = float("-inf")
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _flatten(
+        self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            table = block_tables[seq.request_id]
+            span = range(start, start + chunk.num_tokens)
+            input_ids.extend(seq.token_ids[start : start + chunk.num_tokens])
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+        return input_ids, positions, slots
+
+    def _metadata(
+        self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]], slots: list[int]
+    ) -> StepMetadata:
+        decode = [c for c in chunks if c.num_tokens == 1]
+        tables = [block_tables[c.seq.request_id] for c in decode]
+        width = max((len(t) for t in tables), default=1)
+        padded = [t + [0] * (width - len(t)) for t in tables] or [[0]]
+        segments: list[PrefillSegment] = []
+        row = len(decode)
+        for chunk in chunks[len(decode) :]:
+            context_len = chunk.seq.num_computed_tokens + chunk.num_tokens
+            table = self._tensor(block_tables[chunk.seq.request_id])
+            segments.append(PrefillSegment(row, chunk.num_tokens, context_len, table))
+            row += chunk.num_tokens
+        return StepMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decode),
+            decode_block_tables=torch.tensor(padded, dtype=torch.int32, device=self.device),
+            decode_context_lens=torch.tensor(
+                [c.seq.num_computed_tokens + 1 for c in decode], dtype=torch.int32, device=self.device
+            ),
+            prefill_segments=segments,
+        )
+
+    @staticmethod
+    def _sample_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[Sequence]]:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        end = 0
+        for chunk in chunks:
+            end += chunk.num_tokens
+            if chunk.completes_sequence:
+                rows.append(end - 1)
+                seqs.append(chunk.seq)
+        return rows, seqs

@@ -1,0 +1,63 @@
+"""One request inside the engine: its tokens, how many have KV computed, its output text and why it finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.engine.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-sequence token or stop string (OpenAI's "stop")
+    LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"  # cancelled by the caller
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Mutable state of one request; owned by the engine, advanced by the scheduler.
+
+    `token_ids` is prompt + generated tokens; tokens [0, num_computed_tokens) have KV in the pool. A sequence needs
+    a forward pass over [num_computed_tokens, len(token_ids)) and is sampled once that span is done.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_order: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at the last admission
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    num_emitted_chars: int = 0
+    stop_checked_chars: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,188 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain PyTorch, read top to bottom.
+
+Owns the weights and the arithmetic of one forward pass. It does not own the KV cache: each attention layer hands its
+rotated q, k, v to an `AttentionContext` (the engine's paged cache, or `DenseCausalAttention` for a cache-free pass).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.config import LlamaConfig
+
+
+class AttentionContext(Protocol):
+    """Where attention happens: stores this step's k/v for a layer and attends q over everything visible."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementation does, then return to the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half convention (the GGUF loader un-permutes Q/K rows to match it)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, head_dim/2]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens] -> two [num_tokens, 1, head_dim] tables, shared by every layer of one step."""
+        cos = self.cos[positions].repeat(1, 2).unsqueeze(1).to(dtype)
+        sin = self.sin[positions].repeat(1, 2).unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] rotated by position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v projected by one matmul: one pass over the activations instead of three.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = ctx.attend(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """The decoder. `forward` maps a flat list of tokens (any mix of sequences) to final hidden states."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size] (after the final norm)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> fp32 logits [n, vocab_size]; call it only on the rows that will be sampled."""
+        return self.lm_head(hidden).float()
+
+
+class DenseCausalAttention:
+    """A cache-free context for one sequence: plain causal attention over the tokens of this pass."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+
+
+def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama names -> this module's names (q/k/v and gate/up fused)."""
+    fused: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": state_dict["model.embed_tokens.weight"],
+        "norm.weight": state_dict["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        fused["lm_head.weight"] = state_dict["lm_head.weight"]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = [state_dict[f"{hf}self_attn.{p}_proj.weight"] for p in "qkv"]
+        fused[f"{ours}self_attn.qkv_proj.weight"] = torch.cat(attn, dim=0)
+        fused[f"{ours}self_attn.o_proj.weight"] = state_dict[f"{hf}self_attn.o_proj.weight"]
+        gate_up = [state_dict[f"{hf}mlp.{p}_proj.weight"] for p in ("gate", "up")]
+        fused[f"{ours}mlp.gate_up_proj.weight"] = torch.cat(gate_up, dim=0)
+        fused[f"{ours}mlp.down_proj.weight"] = state_dict[f"{hf}mlp.down_proj.weight"]
+        fused[f"{ours}input_layernorm.weight"] = state_dict[f"{hf}input_layernorm.weight"]
+        fused[f"{ours}post_attention_layernorm.weight"] = state_dict[f"{hf}post_attention_layernorm.weight"]
+    return fused
+
+
+def build_model(
+    config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> Llama:
+    """Instantiate the decoder on `device` in `dtype` with the given Hugging Face-named weights, in eval mode."""
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to_empty(device=device)
+    weights = fuse_hf_state_dict(hf_state_dict, config)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(dtype).eval().requires_grad_(False)
+    # RoPE tables stay fp32 whatever the weights are; they are cast per step, after the lookup.
+    model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
+    return model

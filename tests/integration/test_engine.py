@@ -1,0 +1,132 @@
+"""The engine on the real model: batching, chunked prefill, prefix reuse, preemption, sampling, stops, cancel."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import FinishReason
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his father had "
+    "taught him, and lit the great lamp that warned ships away from the rocks. "
+)
+
+
+def _alone(engine, ids, params=GREEDY):
+    [completion] = engine.generate([ids], params)
+    return completion
+
+
+def test_batched_requests_match_each_alone(checkpoint, engine):
+    prompts = [checkpoint.tokenizer.encode(t) for t in ("Hello, my name is", STORY, "1, 2, 3, 4,")]
+    alone = [_alone(engine, p).token_ids for p in prompts]
+    together = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    assert together == alone
+
+
+def test_requests_join_and_leave_between_steps(checkpoint, engine):
+    first, second = checkpoint.tokenizer.encode(STORY), checkpoint.tokenizer.encode("The weather today is")
+    expected_first, expected_second = _alone(engine, first).token_ids, _alone(engine, second).token_ids
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", first, params)
+    tokens: dict[str, list[int]] = {"first": [], "second": []}
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert 0 < len(tokens["first"]) < 16  # the first request is mid-generation when the second joins
+    engine.add_request("second", second, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert tokens == {"first": expected_first, "second": expected_second}
+
+
+def test_chunked_prefill_matches_single_pass(checkpoint, engine, make_engine):
+    ids = checkpoint.tokenizer.encode(STORY * 3)
+    chunked = make_engine(max_num_batched_tokens=24)
+    assert _alone(chunked, ids).token_ids == _alone(engine, ids).token_ids
+
+
+def test_prefix_reuse_computes_only_new_tokens_and_matches(checkpoint, make_engine):
+    prefix = checkpoint.tokenizer.encode(STORY * 2)
+    first = prefix + checkpoint.tokenizer.encode(" Question: who climbed the stairs?")
+    second = prefix + checkpoint.tokenizer.encode(" Question: what did the lamp warn?")
+    cached_engine, cold_engine = make_engine(), make_engine(enable_prefix_caching=False)
+    _alone(cached_engine, first)
+    reused = _alone(cached_engine, second)
+    cold = _alone(cold_engine, second)
+    block = 16
+    assert reused.num_cached_tokens == (len(prefix) // block) * block > 0
+    assert cold.num_cached_tokens == 0
+    assert reused.token_ids == cold.token_ids
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(checkpoint, engine, make_engine):
+    prompts = [checkpoint.tokenizer.encode(f"{i}: {STORY}") for i in range(4)]
+    expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    blocks_per_seq = -(-(len(prompts[0]) + 16) // 16)
+    bytes_per_block = engine.runner.pool.bytes_per_block(checkpoint.config, 16, engine.runner.dtype)
+    tiny = make_engine(kv_cache_bytes=bytes_per_block * (blocks_per_seq * 2 + 1))
+    assert [c.token_ids for c in tiny.generate(prompts, GREEDY)] == expected
+    assert tiny.block_manager.num_free_blocks == tiny.block_manager.num_blocks
+
+
+def test_same_seed_same_output_other_seed_differs(checkpoint, engine):
+    ids = checkpoint.tokenizer.encode("Write a short poem about the moon:")
+    sampled = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=s) for s in (7, 7, 8)]
+    a, b, c = (_alone(engine, ids, p).token_ids for p in sampled)
+    assert a == b
+    assert a != c
+
+
+def test_stop_string_truncates_text(checkpoint, engine):
+    ids = checkpoint.tokenizer.encode(STORY)
+    full = _alone(engine, ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)).text
+    words = full.split()
+    stop = words[len(words) // 2]
+    stopped = _alone(engine, ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == full[: full.index(stop)]
+
+
+def test_eos_ends_a_chat_answer_and_ignore_eos_does_not(checkpoint, engine):
+    ids = checkpoint.tokenizer.encode_chat([{"role": "user", "content": "Reply with one word: hello."}])
+    answer = _alone(engine, ids, SamplingParams(max_tokens=64, temperature=0.0))
+    assert answer.finish_reason is FinishReason.STOP
+    assert len(answer.token_ids) < 64
+    assert not set(answer.token_ids) & set(checkpoint.tokenizer.eos_token_ids)
+    forced = _alone(engine, ids, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    assert forced.finish_reason is FinishReason.LENGTH and len(forced.token_ids) == 64
+
+
+def test_max_tokens_gives_exactly_that_many(checkpoint, engine):
+    out = _alone(engine, checkpoint.tokenizer.encode(STORY), SamplingParams(max_tokens=5, temperature=0.0))
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 5
+
+
+def test_abort_frees_blocks_and_others_continue(checkpoint, engine):
+    ids = checkpoint.tokenizer.encode(STORY)
+    expected = _alone(engine, ids).token_ids
+    engine.add_request("doomed", ids, GREEDY)
+    engine.add_request("kept", ids, GREEDY)
+    kept = [t for out in engine.step() if out.request_id == "kept" for t in out.new_token_ids]
+    aborted = engine.abort("doomed")
+    assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
+    assert engine.abort("doomed") is None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "kept"
+            kept.extend(out.new_token_ids)
+    assert kept == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bad_requests_are_refused(checkpoint, engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("long", [1] * checkpoint.config.max_position, GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)

@@ -1,0 +1,263 @@
+"""Paged attention: references against a dense per-token oracle; Triton kernels against the references
+(interpreted on CPU at small odd shapes, see conftest.py; on CUDA also at real shapes); argument checks and
+the backend switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.backend import KernelBackend, select_backend, triton_available
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    store_kv,
+    store_kv_ref,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol, per dtype
+DTYPES = pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes are too slow for the interpreter")
+TRITON = KernelBackend.TRITON
+
+
+def triton_test(test: Callable[..., None]) -> Callable[..., None]:
+    """Skip without triton; fail with the reason when its interpreter cannot run (see conftest.py)."""
+    needs_triton = pytest.mark.skipif(not triton_available(), reason="the triton package is not installed")
+    return needs_triton(pytest.mark.usefixtures("triton_ready")(test))
+
+
+def seeded(seed: int, device: torch.device = DEVICE) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Pool:
+    block_size: int
+    num_kv_heads: int
+    groups: int
+    head_dim: int
+    num_blocks: int = 40
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.groups
+
+    def caches(self, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random K and V pools: a kernel reading a wrong block or slot reads wrong values."""
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        k = torch.randn(shape, generator=gen, device=gen.device).to(dtype)
+        return k, torch.randn(shape, generator=gen, device=gen.device).to(dtype)
+
+    def queries(self, num_rows: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+        """[num_rows, num_heads, head_dim], a strided view as the model's projections produce."""
+        wide = torch.randn(num_rows, self.num_heads + 2, self.head_dim, generator=gen, device=gen.device)
+        return wide.to(dtype)[:, 1:-1]
+
+    def tables(self, batch: int, max_blocks: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+        """[batch, max_blocks] distinct, shuffled, non-contiguous block ids."""
+        ids = torch.randperm(self.num_blocks, generator=gen, device=gen.device)[: batch * max_blocks]
+        return ids.view(batch, max_blocks).to(dtype)
+
+
+def dense_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    context_len: int, scale: float,
+) -> torch.Tensor:
+    """float64 causal softmax(QK^T)V for one sequence's last q.shape[0] positions, keys gathered one by one"""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    groups = q.shape[1] // num_kv_heads
+    slots = [(int(block_table[pos // block_size]), pos % block_size) for pos in range(context_len)]
+    k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(groups, dim=1)
+    v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("thd,chd->htc", q.double(), k) * scale  # [num_heads, num_rows, context_len]
+    query_pos = torch.arange(context_len - q.shape[0], context_len)
+    visible = torch.arange(context_len)[None, :] <= query_pos[:, None]  # [num_rows, context_len]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("htc,chd->thd", probs, v)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# ---- the references against the dense oracle (CPU) ------------------------------------------------------
+
+
+def test_decode_ref_matches_dense_attention() -> None:
+    gen, pool = seeded(1, torch.device("cpu")), Pool(block_size=4, num_kv_heads=3, groups=2, head_dim=16)
+    context_lens = torch.tensor([1, 5, 17, 8])
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    q, tables = pool.queries(4, torch.float32, gen), pool.tables(4, 6, torch.int64, gen)
+    out = paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, context_lens, 0.3)
+    for b, context_len in enumerate(context_lens.tolist()):
+        expected = dense_attention(q[b : b + 1], k_cache, v_cache, tables[b], context_len, 0.3)
+        torch.testing.assert_close(out[b : b + 1], expected.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_new, context_len", [(9, 9), (4, 13), (1, 6)], ids=["whole", "chunk", "one"])
+def test_prefill_ref_matches_dense_attention(num_new: int, context_len: int) -> None:
+    gen, pool = seeded(2, torch.device("cpu")), Pool(block_size=4, num_kv_heads=1, groups=3, head_dim=16)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    q, table = pool.queries(num_new, torch.float32, gen), pool.tables(1, 5, torch.int64, gen)[0]
+    out = paged_prefill_attention_ref(q, k_cache, v_cache, table, context_len, 0.25)
+    expected = dense_attention(q, k_cache, v_cache, table, context_len, 0.25)
+    torch.testing.assert_close(out, expected.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_ref_writes_each_token_to_its_slot() -> None:
+    gen, pool = seeded(3, torch.device("cpu")), Pool(4, 3, 1, 8, num_blocks=5)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([7, 0, 19, 12])
+    k, v = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
+    store_kv_ref(k_cache, v_cache, k, v, slots)
+    for token, slot in enumerate(slots.tolist()):
+        expected_k[slot // 4, slot % 4], expected_v[slot // 4, slot % 4] = k[token], v[token]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_torch_backend_is_the_reference() -> None:
+    gen, pool = seeded(7), Pool(4, 1, 2, 16)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    q, tables = pool.queries(2, torch.float32, gen).contiguous(), pool.tables(2, 3, torch.int64, gen)
+    lens = torch.tensor([3, 9], device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.5, KernelBackend.TORCH)
+    assert torch.equal(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.5))
+
+
+# ---- the Triton kernels against the references ----------------------------------------------------------
+
+
+@triton_test
+@DTYPES
+@pytest.mark.parametrize("is_strided", [False, True], ids=["contiguous", "strided"])
+def test_store_kv_triton_writes_exactly_the_addressed_slots(dtype: torch.dtype, is_strided: bool) -> None:
+    gen, pool = seeded(4), Pool(block_size=4, num_kv_heads=3, groups=1, head_dim=24, num_blocks=6)
+    k_cache, v_cache = pool.caches(dtype, gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(pool.num_blocks * pool.block_size, generator=gen, device=DEVICE)[:14:2]  # strided
+    kv = torch.randn(7, 2, 3, 24, generator=gen, device=DEVICE).to(dtype)
+    k, v = (kv[:, 0], kv[:, 1]) if is_strided else (kv[:, 0].contiguous(), kv[:, 1].contiguous())
+    store_kv(k_cache, v_cache, k, v, slots.to(torch.int32), TRITON)
+    store_kv_ref(expected_k, expected_v, k, v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+DECODE_CASES = [
+    pytest.param(Pool(4, 1, 1, 16), [1], torch.int32, id="one-token"),
+    pytest.param(Pool(8, 3, 3, 64), [5, 17, 33], torch.int64, id="gqa3"),
+    pytest.param(Pool(16, 1, 3, 16), [1, 5, 17, 33, 16], torch.int32, id="mqa"),
+    pytest.param(Pool(4, 3, 1, 24, num_blocks=64), [33, 2, 9, 1, 20], torch.int64, id="dim24"),
+    pytest.param(Pool(64, 1, 2, 256, num_blocks=6), [70, 33], torch.int32, id="dim256"),  # tiles < a block
+    pytest.param(
+        Pool(16, 8, 4, 128, num_blocks=8192), [1 + i * 997 % 2047 for i in range(32)], torch.int32,
+        id="real", marks=ON_GPU,
+    ),
+]
+
+
+@triton_test
+@DTYPES
+@pytest.mark.parametrize("pool, lens, index_dtype", DECODE_CASES)
+def test_decode_triton_matches_ref(
+    pool: Pool, lens: list[int], index_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    gen, batch = seeded(5), len(lens)
+    k_cache, v_cache = pool.caches(dtype, gen)
+    max_blocks = -(-max(lens) // pool.block_size) + 1  # one padding block past the longest sequence
+    q, tables = pool.queries(batch, dtype, gen), pool.tables(batch, max_blocks, index_dtype, gen)
+    context_lens, scale = torch.tensor(lens, dtype=index_dtype, device=DEVICE), pool.head_dim**-0.5
+    out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale, TRITON)
+    expected = paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, context_lens, scale)
+    assert_close(out, expected, dtype)
+
+
+PREFILL_CASES = [
+    pytest.param(Pool(4, 1, 3, 16), 5, 5, torch.int32, id="whole-prompt"),
+    pytest.param(Pool(8, 3, 1, 64), 7, 33, torch.int64, id="chunk"),
+    pytest.param(Pool(16, 1, 3, 16), 1, 17, torch.int32, id="one-token"),
+    pytest.param(Pool(4, 1, 1, 16), 70, 75, torch.int64, id="two-query-tiles"),
+    pytest.param(Pool(16, 8, 4, 128, 256), 500, 1500, torch.int32, id="real-chunk", marks=ON_GPU),
+    pytest.param(Pool(16, 8, 4, 128, 256), 1024, 1024, torch.int32, id="real-prompt", marks=ON_GPU),
+]
+
+
+@triton_test
+@DTYPES
+@pytest.mark.parametrize("pool, num_new, context_len, index_dtype", PREFILL_CASES)
+def test_prefill_triton_matches_ref(
+    pool: Pool, num_new: int, context_len: int, index_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    gen = seeded(6)
+    k_cache, v_cache = pool.caches(dtype, gen)
+    q = pool.queries(num_new, dtype, gen)
+    table = pool.tables(1, -(-context_len // pool.block_size), index_dtype, gen)[0]
+    scale = pool.head_dim**-0.5
+    out = paged_prefill_attention(q, k_cache, v_cache, table, context_len, scale, TRITON)
+    assert_close(out, paged_prefill_attention_ref(q, k_cache, v_cache, table, context_len, scale), dtype)
+
+
+# ---- argument checks and the backend switch -------------------------------------------------------------
+
+
+def _bad_calls() -> dict[str, Callable[[], object]]:
+    pool = Pool(4, 2, 2, 16, num_blocks=4)
+    k_cache, v_cache = pool.caches(torch.float32, seeded(0))
+    q, k = torch.randn(2, 4, 16, device=DEVICE), torch.randn(3, 2, 16, device=DEVICE)
+    tables = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([3, 5], device=DEVICE)
+
+    def decode(**overrides: object) -> Callable[[], object]:
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, context_lens=lens) | overrides
+        return lambda: paged_decode_attention(**args, scale=1.0, backend=TRITON)  # type: ignore[arg-type]
+
+    def prefill(num_new: int, context_len: int) -> Callable[[], object]:
+        table = tables[0]
+        return lambda: paged_prefill_attention(q[:num_new], k_cache, v_cache, table, context_len, 1.0, TRITON)
+
+    return {
+        "dtype mismatch": decode(q=q.half()),
+        "head_dim mismatch": decode(q=q[..., :8]),
+        "heads not a multiple of kv heads": decode(q=q[:, :3]),
+        "float block table": decode(block_tables=tables.float()),
+        "block table batch": decode(block_tables=tables[:1]),
+        "context_lens shape": decode(context_lens=lens[:1]),
+        "v_cache shape": decode(v_cache=v_cache[:2]),
+        "3-d cache": decode(k_cache=k_cache[0], v_cache=v_cache[0]),
+        "two devices": decode(q=q.to("meta")),
+        "store k shape": lambda: store_kv(k_cache, v_cache, k[:, :1], k[:, :1], lens[:1].repeat(3), TRITON),
+        "store slots shape": lambda: store_kv(k_cache, v_cache, k, k, lens, TRITON),
+        "prefill longer than context": prefill(2, 1),
+        "prefill table too short": prefill(2, 13),
+    }
+
+
+@triton_test
+@pytest.mark.parametrize("name", list(_bad_calls()))
+def test_launchers_reject_bad_arguments(name: str) -> None:
+    with pytest.raises(ValueError):
+        _bad_calls()[name]()
+
+
+@pytest.mark.parametrize("name", ["cuda", "Torch", "", "tritonn"])
+def test_select_backend_rejects_unknown_names(name: str) -> None:
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        select_backend(name, torch.device("cpu"))
+
+
+def test_select_backend_resolves_known_names() -> None:
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu) is KernelBackend.TORCH
+    assert select_backend("torch", cpu) is KernelBackend.TORCH
+    if triton_available():
+        assert select_backend("triton", cpu) is KernelBackend.TRITON
