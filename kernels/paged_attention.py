@@ -2,7 +2,8 @@
 
 Each op has a plain PyTorch reference (`*_ref`: the CPU path, the kernels' oracle), a Triton kernel behind a
 checking launcher (`*_triton`) and a dispatcher taking a `KernelBackend`. Pool layout per layer:
-[num_blocks, block_size, num_kv_heads, head_dim]. Triton is imported on the first Triton launch, never on CPU.
+[num_kv_heads, num_blocks, block_size, head_dim] (each head's tokens contiguous, so
+a gathered sequence is one matrix per head). Triton is imported on the first Triton launch, never on CPU.
 """
 
 from __future__ import annotations
@@ -21,13 +22,35 @@ triton: Any = None
 tl: Any = None
 
 
+def pool_dims(k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_kv_heads, num_blocks, block_size, head_dim) of one layer's K or V pool."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    return num_kv_heads, num_blocks, block_size, head_dim
+
+
 def store_kv_ref(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into flat slots (block_id * block_size + offset)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    num_kv_heads, num_blocks, block_size, head_dim = pool_dims(k_cache)
+    slots = slot_mapping.long()
+    k_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, num_blocks * block_size, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+
+def _gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
+    """[num_kv_heads, len(block_ids) * block_size, head_dim]: the listed blocks of every KV head, in order."""
+    num_kv_heads, num_blocks, block_size, head_dim = pool_dims(cache)
+    rows = cache.view(num_kv_heads, num_blocks, block_size * head_dim)
+    if out is None:
+        gathered = rows.index_select(1, block_ids)
+    else:
+        # Into a resident buffer: a fresh multi-MB tensor per layer costs more in page faults than the copy.
+        gathered = out[: num_kv_heads * block_ids.numel() * block_size * head_dim]
+        gathered = torch.index_select(rows, 1, block_ids, out=gathered.view(num_kv_heads, -1, block_size * head_dim))
+    return gathered.view(num_kv_heads, -1, head_dim)
 
 
 def paged_decode_attention_ref(
@@ -37,32 +60,36 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its whole context.
 
     Args:
         q: [batch, num_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim].
         block_tables: [batch, max_blocks] int, padded with any valid block id.
         context_lens: [batch] int, tokens visible to each query (the query's own token included).
+        workspace: optional flat buffers for the gathered K and V (each at least q-batch x max_blocks blocks of
+            every KV head); without them each call allocates.
     Returns:
         [batch, num_heads, head_dim] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads, _, block_size, _ = pool_dims(k_cache)
     groups = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
-    # Gather this batch's blocks: [batch, max_len, num_kv_heads, head_dim]; one layer's worth stays in cache.
-    k = k_cache[block_tables].view(batch, max_len, num_kv_heads, head_dim)
-    v = v_cache[block_tables].view(batch, max_len, num_kv_heads, head_dim)
-    q_grouped = q.view(batch, num_kv_heads, groups, head_dim)
-    # [batch, kv_heads, groups, max_len]
-    scores = torch.einsum("bkgd,blkd->bkgl", q_grouped, k).float() * scale
+    ids = block_tables.reshape(-1).long()
+    k_out, v_out = workspace if workspace is not None else (None, None)
+    # [num_kv_heads * batch, max_len, head_dim]: each (head, sequence) a contiguous matrix, so one bmm each.
+    k = _gather_blocks(k_cache, ids, k_out).view(num_kv_heads * batch, max_len, head_dim)
+    v = _gather_blocks(v_cache, ids, v_out).view(num_kv_heads * batch, max_len, head_dim)
+    q_heads = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1).reshape(-1, groups, head_dim)
+    scores = torch.bmm(q_heads, k.transpose(1, 2)).view(num_kv_heads, batch, groups, max_len)
     padding = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]  # [batch, max_len]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
-    return out.reshape(batch, num_heads, head_dim)
+    scores = scores.float().mul_(scale).masked_fill_(padding[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads * batch, groups, max_len)
+    out = torch.bmm(probs, v).view(num_kv_heads, batch, groups, head_dim)
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def paged_prefill_attention_ref(
@@ -73,20 +100,20 @@ def paged_prefill_attention_ref(
     context_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of one sequence's newest tokens over its context (cached prefix, earlier chunks, new).
+    """Causal attention of one sequence's newest tokens over its context (reused prefix + earlier chunks + these).
 
     Args:
         q: [num_new, num_heads, head_dim], the queries of positions context_len - num_new .. context_len - 1.
+        k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim].
         block_table: [num_blocks_of_seq] int covering at least context_len tokens.
     Returns:
         [num_new, num_heads, head_dim].
     """
     num_new = q.shape[0]
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    num_blocks = (context_len + block_size - 1) // block_size
-    ids = block_table[:num_blocks]
-    k = k_cache[ids].view(-1, num_kv_heads, head_dim)[:context_len]  # [context_len, kv_heads, head_dim]
-    v = v_cache[ids].view(-1, num_kv_heads, head_dim)[:context_len]
+    block_size = k_cache.shape[2]
+    ids = block_table[: (context_len + block_size - 1) // block_size].long()
+    k = _gather_blocks(k_cache, ids, None)[:, :context_len]  # [kv_heads, context_len, head_dim]
+    v = _gather_blocks(v_cache, ids, None)[:, :context_len]
     if num_new == context_len:
         mask = None
         is_causal = True
@@ -96,8 +123,7 @@ def paged_prefill_attention_ref(
         mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
         is_causal = False
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+        q.transpose(0, 1), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
 
@@ -253,7 +279,7 @@ def _check_common(
     """Checks shared by every launcher: Triton present, pool layout, dtypes, one device."""
     if triton is None:
         _load_triton()
-    _require(k_cache.dim() == 4, f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got "
+    _require(k_cache.dim() == 4, f"k_cache must be [num_kv_heads, num_blocks, block_size, head_dim], got "
              f"{tuple(k_cache.shape)}")
     _require(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
              f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in shape and strides")
@@ -265,6 +291,12 @@ def _check_common(
                  f"block tables, lengths and slots must be int32/int64, got {index.dtype}")
     devices = {t.device for t in (q_or_k, k_cache, v_cache, *indices)}
     _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def _pool_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Strides in the kernels' argument order: (block, slot in block, KV head, dim)."""
+    stride_head, stride_block, stride_slot, stride_dim = cache.stride()
+    return stride_block, stride_slot, stride_head, stride_dim
 
 
 def _attend_meta(q: torch.Tensor) -> dict[str, Any]:
@@ -285,7 +317,7 @@ def store_kv_triton(
             would cost a device sync).
     """
     _check_common(k, k_cache, v_cache, slot_mapping)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, _, block_size, head_dim = pool_dims(k_cache)
     _require(k.dim() == 3 and k.shape[1:] == (num_kv_heads, head_dim),
              f"k must be [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(k.shape)}")
     _require(v.shape == k.shape and v.dtype == k.dtype and v.device == k.device, "v must match k")
@@ -296,8 +328,8 @@ def store_kv_triton(
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
-        k_cache, v_cache, k, v, slot_mapping, k_cache.shape[1], num_kv_heads, head_dim,
-        *k_cache.stride(), *k.stride(),
+        k_cache, v_cache, k, v, slot_mapping, block_size, num_kv_heads, head_dim,
+        *_pool_strides(k_cache), *k.stride(),
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
     )
 
@@ -305,7 +337,7 @@ def store_kv_triton(
 def _check_query(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     """Check q [rows, num_heads, head_dim] against the pool; returns the GQA group size."""
     _require(q.dim() == 3, f"q must be [rows, num_heads, head_dim], got {tuple(q.shape)}")
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, _, _, head_dim = pool_dims(k_cache)
     _require(q.shape[2] == head_dim, f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
     _require(q.shape[1] % num_kv_heads == 0, f"num_heads {q.shape[1]} is not a multiple of num_kv_heads "
              f"{num_kv_heads}")
@@ -332,10 +364,11 @@ def paged_decode_attention_triton(
         return out
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    _paged_decode_kernel[(batch, k_cache.shape[2])](
+    num_kv_heads, _, block_size, _ = pool_dims(k_cache)
+    _paged_decode_kernel[(batch, num_kv_heads)](
         out, q, k_cache, v_cache, block_tables, context_lens, scale,
-        k_cache.shape[1], block_tables.shape[1], groups, q.shape[2],
-        *q.stride(), out.stride(0), out.stride(1), *k_cache.stride(), block_tables.stride(0),
+        block_size, block_tables.shape[1], groups, q.shape[2],
+        *q.stride(), out.stride(0), out.stride(1), *_pool_strides(k_cache), block_tables.stride(0),
         GROUPS_PAD=max(16, triton.next_power_of_2(groups)), **_attend_meta(q),
     )
     return out
@@ -353,7 +386,7 @@ def paged_prefill_attention_triton(
     """
     _check_common(q, k_cache, v_cache, block_table)
     groups = _check_query(q, k_cache)
-    num_new, block_size = q.shape[0], k_cache.shape[1]
+    num_new, block_size = q.shape[0], pool_dims(k_cache)[2]
     _require(0 < num_new <= context_len, f"need 0 < num_new ({num_new}) <= context_len ({context_len})")
     num_blocks = -(-context_len // block_size)
     _require(block_table.dim() == 1 and block_table.shape[0] >= num_blocks,
@@ -363,7 +396,7 @@ def paged_prefill_attention_triton(
     block_m = 16 if num_new <= 16 else 64
     _paged_prefill_kernel[(triton.cdiv(num_new, block_m), q.shape[1])](
         out, q, k_cache, v_cache, block_table, scale, num_new, context_len, block_size, groups, q.shape[2],
-        *q.stride(), out.stride(0), out.stride(1), *k_cache.stride(),
+        *q.stride(), out.stride(0), out.stride(1), *_pool_strides(k_cache),
         BLOCK_M=block_m, **_attend_meta(q),
     )
     return out
@@ -384,10 +417,15 @@ def store_kv(
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, backend: KernelBackend,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention_ref` or its Triton kernel, by backend; returns [batch, num_heads, head_dim]."""
-    attend = paged_decode_attention_triton if backend is KernelBackend.TRITON else paged_decode_attention_ref
-    return attend(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """`paged_decode_attention_ref` (which may gather into `workspace`) or its Triton kernel, by backend.
+
+    Returns [batch, num_heads, head_dim].
+    """
+    if backend is KernelBackend.TRITON:
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
 
 
 def paged_prefill_attention(

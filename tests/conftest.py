@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 # Nothing may download at run time; make Hugging Face libraries fail loudly instead of trying.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without CUDA, Triton kernels can only run in Triton's interpreter, which must be chosen before anything
+# (torch._dynamo via transformers, for one) imports triton; tests/kernels/conftest.py checks it took effect.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -115,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=max(2048, largest),
     )
     _log("loading the model...")
-    checkpoint = load_checkpoint(args.model)
     try:
+        checkpoint = load_checkpoint(args.model)
         engine = LLMEngine(checkpoint, config)
-    except ValueError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     model_config, dtype = checkpoint.config, config.torch_dtype
     hf_model = None if args.skip_transformers else load_transformers_model(checkpoint.path, dtype)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli.common import add_engine_args, engine_config_from_args
-from shared.cli.generate import add_sampling_args, sampling_params_from_args
+from shared.cli.common import add_engine_args
+from shared.cli.generate import add_sampling_args, load_engine, sampling_params_from_args
 from shared.engine.engine import LLMEngine
+from shared.engine.sampling import SamplingParams
 
 HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) quits."
 
@@ -27,7 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     print("tsukimi chat: loading the model...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_path(args.model, engine_config_from_args(args))
+    engine = load_engine(args)
     print(f"ready ({engine.runner.device}, {args.dtype}). {HELP}", file=sys.stderr, flush=True)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
@@ -51,16 +52,25 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-def _answer(engine: LLMEngine, messages: list[dict[str, str]], params: object, request_id: str) -> str:
+def _answer(engine: LLMEngine, messages: list[dict[str, str]], params: SamplingParams, request_id: str) -> str:
+    """Stream one reply; Ctrl-C stops this reply (keeping what was said) without leaving the chat."""
     prompt_ids = engine.tokenizer.encode_chat(messages)
-    engine.add_request(request_id, prompt_ids, params)  # type: ignore[arg-type]
+    try:
+        engine.add_request(request_id, prompt_ids, params)
+    except ValueError as exc:
+        print(f"[{exc}; /reset to start over]", file=sys.stderr)
+        return ""
     print("model> ", end="", flush=True)
     pieces = []
     done = False
-    while not done:
-        for out in engine.step():
-            print(out.new_text, end="", flush=True)
-            pieces.append(out.new_text)
-            done = out.finished
+    try:
+        while not done:
+            for out in engine.step():
+                print(out.new_text, end="", flush=True)
+                pieces.append(out.new_text)
+                done = out.finished
+    except KeyboardInterrupt:
+        engine.abort(request_id)
+        print(" [interrupted]", end="")
     print()
     return "".join(pieces)

@@ -57,12 +57,21 @@ class Timings:
     end: float | None = None
 
 
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine for `--model` etc.; a missing or unreadable model is a user error (exit 2)."""
+    config = engine_config_from_args(args)
+    try:
+        return LLMEngine.from_path(args.model, config)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("the prompt is empty")
     params = sampling_params_from_args(args)
-    engine = LLMEngine.from_path(args.model, engine_config_from_args(args))
+    engine = load_engine(args)
     tokenizer = engine.tokenizer
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if args.chat else tokenizer.encode(prompt)
     try:

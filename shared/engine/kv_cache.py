@@ -15,15 +15,20 @@ from shared.model.config import LlamaConfig
 
 
 class KVPool:
-    """K and V of every layer: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """K and V of every layer: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+
+    Also keeps the decode gather workspace, sized on demand and reused by every layer and step.
+    """
 
     def __init__(
         self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._block_elements = config.num_kv_heads * block_size * config.head_dim
+        self._workspace = torch.empty(0, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -36,6 +41,14 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensor[layer_idx, 0], self.tensor[layer_idx, 1]
+
+    def gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat buffers that hold `num_blocks` gathered blocks of K and of V (grown, never shrunk)."""
+        needed = num_blocks * self._block_elements
+        if self._workspace.numel() < 2 * needed:
+            self._workspace = torch.empty(2 * needed, dtype=self.tensor.dtype, device=self.tensor.device)
+        half = self._workspace.numel() // 2
+        return self._workspace[:half], self._workspace[half:]
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class PagedAttention:
 
     def __init__(self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend) -> None:
         self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
+        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel())
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, backend = self.meta, self.backend
@@ -71,18 +85,20 @@ class PagedAttention:
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)
         num_decode = meta.num_decode_tokens
         if not meta.prefill_segments:
-            return paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, backend
-            )
+            return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         if num_decode:
-            out[:num_decode] = paged_decode_attention(
-                q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, backend,
-            )
+            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
         for seg in meta.prefill_segments:
             rows = slice(seg.start, seg.start + seg.num_tokens)
             out[rows] = paged_prefill_attention(
                 q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
             )
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.backend,
+            self.workspace,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -20,7 +21,9 @@ if IS_INTERPRETED:
 
 @pytest.fixture
 def triton_ready() -> None:
-    """Fail with the reason when triton was imported before TRITON_INTERPRET=1 was set."""
+    """Fail with the reason when triton is missing or was imported before TRITON_INTERPRET=1 was set."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("the triton package is not installed: `make test` installs it with the test extras")
     if _IS_IMPORTED_TOO_EARLY:
         message = "triton was imported before TRITON_INTERPRET=1 was set: set it in tests/conftest.py"
         pytest.fail(message, pytrace=False)

@@ -29,9 +29,8 @@ TRITON = KernelBackend.TRITON
 
 
 def triton_test(test: Callable[..., None]) -> Callable[..., None]:
-    """Skip without triton; fail with the reason when its interpreter cannot run (see conftest.py)."""
-    needs_triton = pytest.mark.skipif(not triton_available(), reason="the triton package is not installed")
-    return needs_triton(pytest.mark.usefixtures("triton_ready")(test))
+    """Fail with the reason when triton is missing (it is a test extra) or its interpreter cannot run."""
+    return pytest.mark.usefixtures("triton_ready")(test)
 
 
 def seeded(seed: int, device: torch.device = DEVICE) -> torch.Generator:
@@ -52,7 +51,7 @@ class Pool:
 
     def caches(self, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Random K and V pools: a kernel reading a wrong block or slot reads wrong values."""
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
         k = torch.randn(shape, generator=gen, device=gen.device).to(dtype)
         return k, torch.randn(shape, generator=gen, device=gen.device).to(dtype)
 
@@ -72,11 +71,11 @@ def dense_attention(
     context_len: int, scale: float,
 ) -> torch.Tensor:
     """float64 causal softmax(QK^T)V for one sequence's last q.shape[0] positions, keys gathered one by one"""
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     groups = q.shape[1] // num_kv_heads
     slots = [(int(block_table[pos // block_size]), pos % block_size) for pos in range(context_len)]
-    k = torch.stack([k_cache[b, o] for b, o in slots]).double().repeat_interleave(groups, dim=1)
-    v = torch.stack([v_cache[b, o] for b, o in slots]).double().repeat_interleave(groups, dim=1)
+    k = torch.stack([k_cache[:, b, o] for b, o in slots]).double().repeat_interleave(groups, dim=1)
+    v = torch.stack([v_cache[:, b, o] for b, o in slots]).double().repeat_interleave(groups, dim=1)
     scores = torch.einsum("thd,chd->htc", q.double(), k) * scale  # [num_heads, num_rows, context_len]
     query_pos = torch.arange(context_len - q.shape[0], context_len)
     visible = torch.arange(context_len)[None, :] <= query_pos[:, None]  # [num_rows, context_len]
@@ -104,6 +103,16 @@ def test_decode_ref_matches_dense_attention() -> None:
         torch.testing.assert_close(out[b : b + 1], expected.float(), atol=1e-5, rtol=1e-5)
 
 
+def test_decode_ref_gathers_into_a_workspace_with_the_same_result() -> None:
+    gen, pool = seeded(5, torch.device("cpu")), Pool(block_size=4, num_kv_heads=3, groups=2, head_dim=16)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    q, tables = pool.queries(3, torch.float32, gen).contiguous(), pool.tables(3, 4, torch.int64, gen)
+    lens = torch.tensor([16, 3, 9])
+    workspace = (torch.full((4096,), float("nan")), torch.full((4096,), float("nan")))
+    expected = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)
+    assert torch.equal(paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3, workspace), expected)
+
+
 @pytest.mark.parametrize("num_new, context_len", [(9, 9), (4, 13), (1, 6)], ids=["whole", "chunk", "one"])
 def test_prefill_ref_matches_dense_attention(num_new: int, context_len: int) -> None:
     gen, pool = seeded(2, torch.device("cpu")), Pool(block_size=4, num_kv_heads=1, groups=3, head_dim=16)
@@ -122,7 +131,7 @@ def test_store_kv_ref_writes_each_token_to_its_slot() -> None:
     k, v = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen)
     store_kv_ref(k_cache, v_cache, k, v, slots)
     for token, slot in enumerate(slots.tolist()):
-        expected_k[slot // 4, slot % 4], expected_v[slot // 4, slot % 4] = k[token], v[token]
+        expected_k[:, slot // 4, slot % 4], expected_v[:, slot // 4, slot % 4] = k[token], v[token]
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -232,7 +241,7 @@ def _bad_calls() -> dict[str, Callable[[], object]]:
         "float block table": decode(block_tables=tables.float()),
         "block table batch": decode(block_tables=tables[:1]),
         "context_lens shape": decode(context_lens=lens[:1]),
-        "v_cache shape": decode(v_cache=v_cache[:2]),
+        "v_cache shape": decode(v_cache=v_cache[:, :2]),
         "3-d cache": decode(k_cache=k_cache[0], v_cache=v_cache[0]),
         "two devices": decode(q=q.to("meta")),
         "store k shape": lambda: store_kv(k_cache, v_cache, k[:, :1], k[:, :1], lens[:1].repeat(3), TRITON),

@@ -341,7 +341,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     runner writing KV would leave it. Reusing a block whose KV belongs to another prefix is the bug to catch.
     """
 
-    num_blocks, block_size, vocab_size, max_len = 6, 2, 2, 9
+    num_blocks, block_size, vocab_size, max_len = 8, 2, 2, 7
 
     def __init__(self) -> None:
         super().__init__()
@@ -349,6 +349,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.kv: dict[int, tuple[int, ...] | None] = dict.fromkeys(range(self.num_blocks))
         self.next_seq_id = 0
+        self.prompts: list[list[int]] = []  # new prompts often extend a prefix of an earlier one
 
     def draw_tokens(self, data: st.DataObject, min_size: int) -> list[int]:
         token = st.integers(0, self.vocab_size - 1)
@@ -366,9 +367,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             end += self.block_size
         return end - self.block_size
 
+    def draw_prompt(self, data: st.DataObject) -> list[int]:
+        if not self.prompts or data.draw(st.booleans()):
+            return self.draw_tokens(data, 1)
+        earlier = data.draw(st.sampled_from(self.prompts))
+        prefix = earlier[: data.draw(st.integers(0, len(earlier)))]
+        return (prefix + self.draw_tokens(data, 1))[: self.max_len]
+
     @rule(data=st.data())
     def allocate(self, data: st.DataObject) -> None:
-        token_ids, manager, size = self.draw_tokens(data, 1), self.manager, self.block_size
+        token_ids, manager, size = self.draw_prompt(data), self.manager, self.block_size
+        self.prompts.append(token_ids)
         seq_id, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
         predicted, needed = manager.num_reusable_tokens(token_ids), manager.blocks_needed(token_ids)
         num_free = manager.num_free_blocks
@@ -453,7 +462,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 class LargerPoolMachine(BlockManagerMachine):
-    num_blocks, block_size, vocab_size, max_len = 12, 3, 3, 14
+    num_blocks, block_size, vocab_size, max_len = 12, 3, 2, 13
 
 
 STATEFUL = settings(max_examples=150, stateful_step_count=40, deadline=None)
