@@ -47,6 +47,15 @@ def measure_matmul_peak(dtype: torch.dtype, repeats: int = 5, size: int = 2048) 
     return 2 * size**3 / seconds
 
 
+def _pass_seconds(
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    repeats: int,
+) -> float:
+    return _median_seconds(lambda: [matmul(x, weight) for weight in weights], repeats)
+
+
 def measure_weight_streaming(
     config: LlamaConfig,
     batch_size: int,
@@ -56,23 +65,24 @@ def measure_weight_streaming(
 ) -> float:
     """Effective weight bandwidth in bytes/s of the matmul a decode step runs: the weight-streaming rate.
 
-    Times `F.linear(x, w)` with x [batch_size, hidden] and w [2 * intermediate, hidden] (the fused gate/up
-    projection, stored [out, in] as the model stores it), rotating among enough such weights to total more
-    than `min_total_bytes`, so no weight is still in cache when it is read again. At small batches this is
-    bandwidth-bound; at large batches it also pays the matmul's FLOPs, which is why it depends on the batch.
+    Times x [batch_size, hidden] times the fused gate/up weight (hidden x 2 * intermediate), rotating among
+    enough such weights to total more than `min_total_bytes` so none is still cached when it is read again.
+    Both weight layouts are timed, [out, in] via `F.linear` and [in, out] via `torch.mm`, and the faster one
+    is returned, since either is open to the engine (at batch 1 in fp32 they differ almost twofold). At small
+    batches this is bandwidth-bound; at large ones it also pays the FLOPs, hence the dependence on the batch.
     """
     out_features, in_features = 2 * config.intermediate_size, config.hidden_size
     bytes_per_weight = out_features * in_features * dtype.itemsize
     num_weights = math.ceil(min_total_bytes / bytes_per_weight) + 1
-    weights = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(num_weights)]
     x = torch.randn(batch_size, in_features, dtype=dtype)  # [batch_size, hidden]
-
-    def one_pass() -> None:
-        for weight in weights:
-            F.linear(x, weight)
-
-    seconds = _median_seconds(one_pass, repeats)
-    return num_weights * bytes_per_weight / seconds
+    # [out, in] is how nn.Linear and GGUF store a weight; [in, out] is its transpose, laid out for x @ w
+    layouts = [((out_features, in_features), F.linear), ((in_features, out_features), torch.mm)]
+    best_s = math.inf
+    for shape, matmul in layouts:  # one layout's weights at a time, freed before the next is built
+        weights = [torch.randn(shape, dtype=dtype) for _ in range(num_weights)]
+        best_s = min(best_s, _pass_seconds(matmul, x, weights, repeats))
+        weights.clear()
+    return num_weights * bytes_per_weight / best_s
 
 
 @dataclass(frozen=True)
