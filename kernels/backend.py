@@ -7,12 +7,12 @@ under TRITON_INTERPRET=1 (the kernel tests do that).
 from __future__ import annotations
 
 import importlib.util
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 
-class KernelBackend(str, Enum):
+class KernelBackend(StrEnum):
     TORCH = "torch"
     TRITON = "triton"
 

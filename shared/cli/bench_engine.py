@@ -147,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
             prefill_ratio=round(prefill / theirs_prefill, 2), decode_ratio=round(decode / theirs_decode, 2),
             roofline_decode_tok_s=round(roof.tok_s, 1),
             tsukimi_decode_step_ms=round(1000 * _median([r.decode_step_s for r in ours]), 2),
-            weight_streaming_bound_ms=round(1000 * weight_streaming_bound_s(model_config, batch_size, dtype, streaming), 2),
+            weight_streaming_bound_ms=round(
+                1000 * weight_streaming_bound_s(model_config, batch_size, dtype, streaming), 2
+            ),
         ))
     machine = {"memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_gflop_s": round(peak / 1e9, 1)}
     if args.json:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from shared.engine.sampling import SamplingParams
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # end-of-sequence token or stop string (OpenAI's "stop")
     LENGTH = "length"  # max_tokens or the model's context limit
     ABORT = "abort"  # cancelled by the caller

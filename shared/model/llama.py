@@ -19,7 +19,10 @@ class AttentionContext(Protocol):
     """Where attention happens: stores this step's k/v for a layer and attends q over everything visible."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+
+        Returns [num_tokens, num_heads, head_dim].
+        """
         ...
 
 
@@ -37,6 +40,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half convention (the GGUF loader un-permutes Q/K rows to match it)."""
+
+    cos: torch.Tensor  # [max_position, head_dim / 2], fp32
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
