@@ -7,7 +7,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +41,7 @@ def load_transformers_model(gguf_path: Path, dtype: torch.dtype) -> PreTrainedMo
     """
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent,
         gguf_file=gguf_path.name,
         dtype=dtype,
@@ -66,8 +66,9 @@ def _time_generate(model: PreTrainedModel, input_ids: torch.Tensor, new_tokens: 
     eos_token_id = model.generation_config.eos_token_id
     pad_token_id = model.generation_config.pad_token_id
     start = time.perf_counter()
+    generate: Any = model.generate  # transformers' stubs type it as a Tensor attribute
     with torch.inference_mode():
-        output = model.generate(
+        output = generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,

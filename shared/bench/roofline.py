@@ -76,7 +76,10 @@ def measure_weight_streaming(
     num_weights = math.ceil(min_total_bytes / bytes_per_weight) + 1
     x = torch.randn(batch_size, in_features, dtype=dtype)  # [batch_size, hidden]
     # [out, in] is how nn.Linear and GGUF store a weight; [in, out] is its transpose, laid out for x @ w
-    layouts = [((out_features, in_features), F.linear), ((in_features, out_features), torch.mm)]
+    layouts: list[tuple[tuple[int, int], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = [
+        ((out_features, in_features), F.linear),
+        ((in_features, out_features), torch.mm),
+    ]
     best_s = math.inf
     for shape, matmul in layouts:  # one layout's weights at a time, freed before the next is built
         weights = [torch.randn(shape, dtype=dtype) for _ in range(num_weights)]

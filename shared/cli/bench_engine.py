@@ -133,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         theirs_prefill = theirs_decode = float("nan")
         if hf_model is not None:
             _log(f"batch {batch_size}: transformers...")
-            hf = measure_transformers(hf_model, batch_size, args.prompt_len, args.gen_len, repeats=args.repeats)
+            hf = measure_transformers(
+                hf_model, batch_size, args.prompt_len, args.gen_len, seed=batch_size, repeats=args.repeats
+            )
             theirs_prefill, theirs_decode = hf.prefill_tok_s, hf.decode_tok_s
         context = args.prompt_len + args.gen_len / 2
         roof = decode_roofline(model_config, batch_size, context, dtype, bandwidth, peak)
