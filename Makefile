@@ -34,6 +34,7 @@ bench: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check shared services kernels loadgen tests
+	$(BIN)/mypy shared services
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

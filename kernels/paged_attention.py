@@ -119,6 +119,51 @@ def paged_prefill_attention_ref(
     return out.transpose(0, 1)
 
 
+def paged_prefill_attention_padded_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_new: list[int],
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """`paged_prefill_attention_ref` for several sequences in one call, each padded to the longest.
+
+    One batched attention instead of one per sequence: worth it when the chunks have similar lengths (the caller
+    decides; padding costs num_seqs x longest chunk x longest context).
+    Args:
+        q: [sum(num_new), num_heads, head_dim], the sequences' rows one after another.
+        block_tables: [num_seqs, max_blocks] int, each row covering its context_lens entry.
+        num_new, context_lens: per sequence, as in `paged_prefill_attention_ref`.
+    Returns:
+        [sum(num_new), num_heads, head_dim].
+    """
+    num_seqs, max_blocks = block_tables.shape
+    num_kv_heads, _, block_size, head_dim = pool_dims(k_cache)
+    max_new, max_keys = max(num_new), max_blocks * block_size
+    device = q.device
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=device), torch.tensor(num_new, device=device))
+    starts = torch.tensor([0, *num_new[:-1]], device=device).cumsum(0)
+    row_in_seq = torch.arange(q.shape[0], device=device) - starts[seq_of_row]
+    padded_q = q.new_zeros(num_seqs, max_new, q.shape[1], head_dim)
+    padded_q[seq_of_row, row_in_seq] = q
+    ids = block_tables.reshape(-1).long()
+    # [num_seqs, kv_heads, max_keys, head_dim] views of one gather
+    k = _gather_blocks(k_cache, ids, None).view(num_kv_heads, num_seqs, max_keys, head_dim).transpose(0, 1)
+    v = _gather_blocks(v_cache, ids, None).view(num_kv_heads, num_seqs, max_keys, head_dim).transpose(0, 1)
+    context = torch.tensor(context_lens, device=device)
+    first_pos = context - torch.tensor(num_new, device=device)
+    query_pos = first_pos[:, None] + torch.arange(max_new, device=device)[None, :]  # [num_seqs, max_new]
+    key_pos = torch.arange(max_keys, device=device)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also hides keys past each context
+    mask[:, :, 0] = True  # padded query rows see one key instead of none (no NaN); they are dropped below
+    out = F.scaled_dot_product_attention(
+        padded_q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )  # [num_seqs, num_heads, max_new, head_dim]
+    return out.transpose(1, 2)[seq_of_row, row_in_seq]
+
+
 # ---- Dispatchers: what the engine calls --------------------------------------------------------------------
 
 

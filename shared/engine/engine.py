@@ -119,7 +119,13 @@ class LLMEngine:
         return outputs
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:
-        """Run prompts to completion together (a convenience for the CLI, tests and benchmarks)."""
+        """Run prompts to completion together (a convenience for the CLI, tests and benchmarks).
+
+        Raises:
+            RuntimeError: the engine is serving other requests (their outputs would be lost here).
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drive step() to serve concurrent requests")
         ids = []
         for prompt in prompts:
             request_id = f"gen-{next(self._order)}"

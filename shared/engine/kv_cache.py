@@ -10,7 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import KernelBackend
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_prefill_attention_padded_ref,
+    store_kv,
+)
 from shared.model.config import LlamaConfig
 
 
@@ -62,6 +67,24 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class PaddedPrefill:
+    """Every prefill segment of the step attended in one padded call (chosen when lengths are alike)."""
+
+    block_tables: torch.Tensor  # [num_segments, max_blocks]
+    num_new: list[int]
+    context_lens: list[int]
+
+    @staticmethod
+    def is_worth_it(segments: list[PrefillSegment], block_size: int) -> bool:
+        """True when padding to the longest segment wastes at most a quarter of the attention work."""
+        if len(segments) < 2:
+            return False
+        max_keys = max(-(-s.context_len // block_size) for s in segments) * block_size
+        padded = len(segments) * max(s.num_tokens for s in segments) * max_keys
+        return padded <= 1.25 * sum(s.num_tokens * s.context_len for s in segments)
+
+
+@dataclass(frozen=True)
 class StepMetadata:
     """Where each token's K/V goes and what each query may see; shared by all layers of one step."""
 
@@ -70,6 +93,7 @@ class StepMetadata:
     decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks]
     decode_context_lens: torch.Tensor  # [num_decode_tokens]
     prefill_segments: list[PrefillSegment]
+    padded_prefill: PaddedPrefill | None = None
 
 
 class PagedAttention:
@@ -89,6 +113,12 @@ class PagedAttention:
         out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
+        if meta.padded_prefill is not None:
+            batch = meta.padded_prefill
+            out[num_decode:] = paged_prefill_attention_padded_ref(
+                q[num_decode:], k_cache, v_cache, batch.block_tables, batch.num_new, batch.context_lens, self.scale
+            )
+            return out
         for seg in meta.prefill_segments:
             rows = slice(seg.start, seg.start + seg.num_tokens)
             out[rows] = paged_prefill_attention(

@@ -10,7 +10,7 @@ import torch
 from kernels.backend import KernelBackend, select_backend
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVPool, PagedAttention, PrefillSegment, StepMetadata
+from shared.engine.kv_cache import KVPool, PaddedPrefill, PagedAttention, PrefillSegment, StepMetadata
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
@@ -100,6 +100,7 @@ class ModelRunner:
             segments.append(PrefillSegment(row, chunk.num_tokens, context_len, table))
             row += chunk.num_tokens
         return StepMetadata(
+            padded_prefill=self._padded_prefill(segments, block_tables, chunks[len(decode) :]),
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decode),
             decode_block_tables=torch.tensor(padded, dtype=torch.int32, device=self.device),
@@ -107,6 +108,22 @@ class ModelRunner:
                 [c.seq.num_computed_tokens + 1 for c in decode], dtype=torch.int32, device=self.device
             ),
             prefill_segments=segments,
+        )
+
+    def _padded_prefill(
+        self, segments: list[PrefillSegment], block_tables: dict[str, list[int]], chunks: list[ScheduledChunk]
+    ) -> PaddedPrefill | None:
+        """On the reference path, batch the step's prefill attention when the chunks are alike in length."""
+        if self.backend is not KernelBackend.TORCH or not PaddedPrefill.is_worth_it(segments, self.block_size):
+            return None
+        tables = [block_tables[c.seq.request_id][: -(-s.context_len // self.block_size)]
+                  for c, s in zip(chunks, segments, strict=True)]
+        width = max(len(t) for t in tables)
+        padded = [t + [t[0]] * (width - len(t)) for t in tables]
+        return PaddedPrefill(
+            block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+            num_new=[s.num_tokens for s in segments],
+            context_lens=[s.context_len for s in segments],
         )
 
     @staticmethod

@@ -19,8 +19,13 @@ def _alone(engine, ids, params=GREEDY):
     return completion
 
 
-def test_batched_requests_match_each_alone(checkpoint, engine):
-    prompts = [checkpoint.tokenizer.encode(t) for t in ("Hello, my name is", STORY, "1, 2, 3, 4,")]
+@pytest.mark.parametrize(
+    "texts",
+    [("Hello, my name is", STORY, "1, 2, 3, 4,"), tuple(f"Story {i}: {STORY}" for i in range(3))],
+    ids=["unlike-lengths", "alike-lengths"],  # alike lengths take the padded batched prefill attention
+)
+def test_batched_requests_match_each_alone(checkpoint, engine, texts):
+    prompts = [checkpoint.tokenizer.encode(t) for t in texts]
     alone = [_alone(engine, p).token_ids for p in prompts]
     together = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     assert together == alone

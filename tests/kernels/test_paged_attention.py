@@ -16,6 +16,7 @@ from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
+    paged_prefill_attention_padded_ref,
     paged_prefill_attention_ref,
     store_kv,
     store_kv_ref,
@@ -121,6 +122,21 @@ def test_prefill_ref_matches_dense_attention(num_new: int, context_len: int) -> 
     out = paged_prefill_attention_ref(q, k_cache, v_cache, table, context_len, 0.25)
     expected = dense_attention(q, k_cache, v_cache, table, context_len, 0.25)
     torch.testing.assert_close(out, expected.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_prefill_ref_equals_one_call_per_sequence() -> None:
+    gen, pool = seeded(6, torch.device("cpu")), Pool(block_size=4, num_kv_heads=3, groups=3, head_dim=16)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    num_new, context_lens = [5, 1, 9, 3], [5, 11, 13, 16]  # fresh prompt, decode-like, chunks after a prefix
+    tables = pool.tables(4, 4, torch.int64, gen)
+    q = pool.queries(sum(num_new), torch.float32, gen).contiguous()
+    out = paged_prefill_attention_padded_ref(q, k_cache, v_cache, tables, num_new, context_lens, 0.3)
+    start = 0
+    for row, (new, context_len) in enumerate(zip(num_new, context_lens, strict=True)):
+        rows = q[start : start + new]
+        expected = paged_prefill_attention_ref(rows, k_cache, v_cache, tables[row], context_len, 0.3)
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
 
 
 def test_store_kv_ref_writes_each_token_to_its_slot() -> None:
