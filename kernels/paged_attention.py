@@ -152,14 +152,19 @@ def paged_prefill_attention_padded_ref(
     # [num_seqs, kv_heads, max_keys, head_dim] views of one gather
     k = _gather_blocks(k_cache, ids, None).view(num_kv_heads, num_seqs, max_keys, head_dim).transpose(0, 1)
     v = _gather_blocks(v_cache, ids, None).view(num_kv_heads, num_seqs, max_keys, head_dim).transpose(0, 1)
-    context = torch.tensor(context_lens, device=device)
-    first_pos = context - torch.tensor(num_new, device=device)
-    query_pos = first_pos[:, None] + torch.arange(max_new, device=device)[None, :]  # [num_seqs, max_new]
-    key_pos = torch.arange(max_keys, device=device)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also hides keys past each context
-    mask[:, :, 0] = True  # padded query rows see one key instead of none (no NaN); they are dropped below
+    if set(num_new) == set(context_lens) == {max_new}:
+        # Fresh prompts of one length: plain causal attention over the first max_new keys, no mask to build.
+        k, v, mask = k[:, :, :max_new], v[:, :, :max_new], None
+    else:
+        context = torch.tensor(context_lens, device=device)
+        first_pos = context - torch.tensor(num_new, device=device)
+        query_pos = first_pos[:, None] + torch.arange(max_new, device=device)[None, :]  # [num_seqs, max_new]
+        key_pos = torch.arange(max_keys, device=device)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also hides keys past each context
+        mask[:, :, 0] = True  # padded query rows see one key instead of none (no NaN); they are dropped below
+        mask = mask[:, None]
     out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        padded_q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )  # [num_seqs, num_heads, max_new, head_dim]
     return out.transpose(1, 2)[seq_of_row, row_in_seq]
 

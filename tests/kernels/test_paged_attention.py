@@ -124,11 +124,15 @@ def test_prefill_ref_matches_dense_attention(num_new: int, context_len: int) -> 
     torch.testing.assert_close(out, expected.float(), atol=1e-5, rtol=1e-5)
 
 
-def test_padded_prefill_ref_equals_one_call_per_sequence() -> None:
+@pytest.mark.parametrize(
+    "num_new, context_lens",
+    [([5, 1, 9, 3], [5, 11, 13, 16]), ([6, 6, 6], [6, 6, 6])],
+    ids=["mixed", "fresh-alike"],  # fresh prompt, decode-like, chunks after a prefix; or the unmasked fast case
+)
+def test_padded_prefill_ref_equals_one_call_per_sequence(num_new: list[int], context_lens: list[int]) -> None:
     gen, pool = seeded(6, torch.device("cpu")), Pool(block_size=4, num_kv_heads=3, groups=3, head_dim=16)
     k_cache, v_cache = pool.caches(torch.float32, gen)
-    num_new, context_lens = [5, 1, 9, 3], [5, 11, 13, 16]  # fresh prompt, decode-like, chunks after a prefix
-    tables = pool.tables(4, 4, torch.int64, gen)
+    tables = pool.tables(len(num_new), 4, torch.int64, gen)
     q = pool.queries(sum(num_new), torch.float32, gen).contiguous()
     out = paged_prefill_attention_padded_ref(q, k_cache, v_cache, tables, num_new, context_lens, 0.3)
     start = 0
