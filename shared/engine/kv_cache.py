@@ -101,7 +101,9 @@ class PagedAttention:
 
     def __init__(self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend) -> None:
         self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
-        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel())
+        # Only the reference path gathers; Triton reads the pool in place.
+        is_reference = backend is KernelBackend.TORCH
+        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, backend = self.meta, self.backend

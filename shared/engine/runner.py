@@ -24,7 +24,7 @@ class ModelRunner:
         checkpoint: the loaded model files.
         config: engine settings (device, dtype, pool size, kernels).
     Raises:
-        ValueError: the pool budget cannot hold even one block per sequence limit, or an unknown kernel backend.
+        ValueError: a pool budget of fewer than 2 blocks, or an unknown or unavailable kernel backend.
     """
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
