@@ -30,10 +30,6 @@ class StepPlan:
     chunks: list[ScheduledChunk]  # every single-token chunk (decode-shaped) first, then the longer ones
     preempted: list[Sequence]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 class Scheduler:
     """Plans each step: every running sequence advances (decode first), then waiting prompts fill the token budget.

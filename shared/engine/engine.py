@@ -70,7 +70,7 @@ class LLMEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._order = itertools.count()
+        self._generate_ids = itertools.count()
 
     @classmethod
     def from_path(cls, model_path: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
@@ -86,7 +86,7 @@ class LLMEngine:
         limit = self.model_config.max_position
         if len(prompt_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}")
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, next(self._order))
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -100,10 +100,6 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the planned batch; returns an output for every request that advanced."""
@@ -128,7 +124,7 @@ class LLMEngine:
             raise RuntimeError("generate() needs an idle engine; drive step() to serve concurrent requests")
         ids = []
         for prompt in prompts:
-            request_id = f"gen-{next(self._order)}"
+            request_id = f"gen-{next(self._generate_ids)}"
             self.add_request(request_id, prompt, params)
             ids.append(request_id)
         done: dict[str, Completion] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.engine.sampling import SamplingParams
 
@@ -32,7 +32,6 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    arrival_order: int
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at the last admission
@@ -40,7 +39,6 @@ class Sequence:
     text: str = ""
     num_emitted_chars: int = 0
     stop_checked_chars: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -51,13 +49,5 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

@@ -22,11 +22,6 @@ class LlamaConfig:
     tie_word_embeddings: bool
 
     @property
-    def num_query_groups(self) -> int:
-        """Query heads that share one KV head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def kv_elements_per_token(self) -> int:
         """K and V elements one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim

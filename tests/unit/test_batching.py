@@ -10,9 +10,9 @@ from shared.engine.sequence import Sequence, SequenceStatus
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def seq(name: str, num_tokens: int, order: int = 0) -> Sequence:
+def seq(name: str, num_tokens: int) -> Sequence:
     tokens = [(hash(name) + i) % 1000 for i in range(num_tokens)]
-    return Sequence(name, tokens, num_tokens, PARAMS, order)
+    return Sequence(name, tokens, num_tokens, PARAMS)
 
 
 def run_step(scheduler: Scheduler) -> list[tuple[str, int]]:
@@ -51,7 +51,7 @@ def test_max_num_seqs_bounds_the_running_batch() -> None:
 def test_full_pool_preempts_the_newest_and_requeues_it_first() -> None:
     manager = BlockManager(4, 4)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
-    a, b = seq("a", 8, 0), seq("b", 8, 1)
+    a, b = seq("a", 8), seq("b", 8)
     scheduler.add(a)
     scheduler.add(b)
     run_step(scheduler)  # both prompts fill 2 blocks each: the pool is full
@@ -70,7 +70,7 @@ def test_prefix_cache_is_published_only_when_enabled() -> None:
         first = seq("a", 9)
         scheduler.add(first)
         run_step(scheduler)
-        twin = Sequence("twin", list(first.token_ids[:9]), 9, PARAMS, 1)
+        twin = Sequence("twin", list(first.token_ids[:9]), 9, PARAMS)
         scheduler.add(twin)
         run_step(scheduler)
         assert twin.num_cached_tokens == expected
