@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import LlamaConfig
+from shared.model.cpu_linear import can_pack, pack_linears
 
 
 class AttentionContext(Protocol):
@@ -192,4 +193,6 @@ def build_model(
     model = model.to(dtype).eval().requires_grad_(False)
     # RoPE tables stay fp32 whatever the weights are; they are cast per step, after the lookup.
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
+    if can_pack(device):
+        pack_linears(model)  # the tied lm_head gets its own packed copy; the embedding stays for lookups
     return model
