@@ -11,6 +11,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+
 from shared.bench.hf_baseline import load_transformers_model, measure_transformers, random_prompts
 from shared.bench.roofline import (
     decode_roofline,
@@ -23,6 +25,7 @@ from shared.cli.common import CliError, add_engine_args, engine_config_from_args
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling import SamplingParams
 from shared.model.checkpoint import load_checkpoint
+from shared.model.config import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -37,14 +40,15 @@ class BenchRow:
     batch_size: int
     dtype: str
     tsukimi_prefill_tok_s: float
-    transformers_prefill_tok_s: float
+    transformers_prefill_tok_s: float | None  # None with --skip-transformers, as are the ratios
     tsukimi_decode_tok_s: float
-    transformers_decode_tok_s: float
-    prefill_ratio: float
-    decode_ratio: float
+    transformers_decode_tok_s: float | None
+    prefill_ratio: float | None
+    decode_ratio: float | None
     roofline_decode_tok_s: float
     tsukimi_decode_step_ms: float
     weight_streaming_bound_ms: float
+    step_to_bound_ratio: float
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -99,6 +103,10 @@ def measure_tsukimi(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -
     )
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -106,6 +114,51 @@ def _median(values: list[float]) -> float:
 
 def _log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    engine: LLMEngine
+    hf_model: object | None
+    model_config: LlamaConfig
+    dtype: torch.dtype
+    bandwidth: float
+    peak_flops: float
+
+
+def _bench_row(setup: _Setup, batch_size: int, args: argparse.Namespace) -> BenchRow:
+    """Both engines at one batch size, their runs interleaved so that both sample the same machine noise."""
+    prompts = random_prompts(batch_size, args.prompt_len, setup.model_config.vocab_size, seed=batch_size)
+    measure_tsukimi(setup.engine, prompts[:1], 2)  # warm-up
+    ours, theirs = [], []
+    for repeat in range(args.repeats):
+        _log(f"batch {batch_size}, run {repeat + 1}/{args.repeats}: tsukimi...")
+        ours.append(measure_tsukimi(setup.engine, prompts, args.gen_len))
+        if setup.hf_model is not None:
+            _log(f"batch {batch_size}, run {repeat + 1}/{args.repeats}: transformers...")
+            theirs.append(measure_transformers(
+                setup.hf_model, batch_size, args.prompt_len, args.gen_len, seed=batch_size  # type: ignore[arg-type]
+            ))
+    theirs_prefill = _median([r.prefill_tok_s for r in theirs]) if theirs else None
+    theirs_decode = _median([r.decode_tok_s for r in theirs]) if theirs else None
+    roof = decode_roofline(
+        setup.model_config, batch_size, args.prompt_len + args.gen_len / 2, setup.dtype, setup.bandwidth,
+        setup.peak_flops,
+    )
+    streaming = measure_weight_streaming(setup.model_config, batch_size, setup.dtype)
+    bound_s = weight_streaming_bound_s(setup.model_config, batch_size, setup.dtype, streaming)
+    prefill, decode = _median([r.prefill_tok_s for r in ours]), _median([r.decode_tok_s for r in ours])
+    return BenchRow(
+        batch_size=batch_size, dtype=args.dtype,
+        tsukimi_prefill_tok_s=round(prefill, 1), transformers_prefill_tok_s=_rounded(theirs_prefill, 1),
+        tsukimi_decode_tok_s=round(decode, 1), transformers_decode_tok_s=_rounded(theirs_decode, 1),
+        prefill_ratio=_rounded(theirs_prefill and prefill / theirs_prefill, 2),
+        decode_ratio=_rounded(theirs_decode and decode / theirs_decode, 2),
+        roofline_decode_tok_s=round(roof.tok_s, 1),
+        tsukimi_decode_step_ms=round(1000 * _median([r.decode_step_s for r in ours]), 2),
+        weight_streaming_bound_ms=round(1000 * bound_s, 2),
+        step_to_bound_ratio=round(_median([r.decode_step_s for r in ours]) / bound_s, 2),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,35 +177,8 @@ def run(args: argparse.Namespace) -> int:
     hf_model = None if args.skip_transformers else load_transformers_model(checkpoint.path, dtype)
     _log("measuring memory bandwidth and matmul peak...")
     bandwidth, peak = measure_memory_bandwidth(), measure_matmul_peak(dtype)
-    rows = []
-    for batch_size in args.batch_sizes:
-        _log(f"batch {batch_size}: tsukimi...")
-        prompts = random_prompts(batch_size, args.prompt_len, model_config.vocab_size, seed=batch_size)
-        measure_tsukimi(engine, prompts[:1], 2)  # warm-up
-        ours = [measure_tsukimi(engine, prompts, args.gen_len) for _ in range(args.repeats)]
-        theirs_prefill = theirs_decode = float("nan")
-        if hf_model is not None:
-            _log(f"batch {batch_size}: transformers...")
-            hf = measure_transformers(
-                hf_model, batch_size, args.prompt_len, args.gen_len, seed=batch_size, repeats=args.repeats
-            )
-            theirs_prefill, theirs_decode = hf.prefill_tok_s, hf.decode_tok_s
-        context = args.prompt_len + args.gen_len / 2
-        roof = decode_roofline(model_config, batch_size, context, dtype, bandwidth, peak)
-        streaming = measure_weight_streaming(model_config, batch_size, dtype)
-        prefill = _median([r.prefill_tok_s for r in ours])
-        decode = _median([r.decode_tok_s for r in ours])
-        rows.append(BenchRow(
-            batch_size=batch_size, dtype=args.dtype,
-            tsukimi_prefill_tok_s=round(prefill, 1), transformers_prefill_tok_s=round(theirs_prefill, 1),
-            tsukimi_decode_tok_s=round(decode, 1), transformers_decode_tok_s=round(theirs_decode, 1),
-            prefill_ratio=round(prefill / theirs_prefill, 2), decode_ratio=round(decode / theirs_decode, 2),
-            roofline_decode_tok_s=round(roof.tok_s, 1),
-            tsukimi_decode_step_ms=round(1000 * _median([r.decode_step_s for r in ours]), 2),
-            weight_streaming_bound_ms=round(
-                1000 * weight_streaming_bound_s(model_config, batch_size, dtype, streaming), 2
-            ),
-        ))
+    setup = _Setup(engine, hf_model, model_config, dtype, bandwidth, peak)
+    rows = [_bench_row(setup, batch_size, args) for batch_size in args.batch_sizes]
     machine = {"memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_gflop_s": round(peak / 1e9, 1)}
     if args.json:
         print(json.dumps({"machine": machine, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
@@ -166,10 +192,10 @@ def _print_table(rows: list[BenchRow], machine: dict[str, float], args: argparse
     print(f"prompt {args.prompt_len} tokens, decode {args.gen_len} tokens, {args.dtype}, median of {args.repeats}; "
           f"memory {machine['memory_bandwidth_gb_s']} GB/s, matmul peak {machine['matmul_peak_gflop_s']} GFLOP/s")
     header = ("batch", "prefill tok/s", "hf prefill", "ratio", "decode tok/s", "hf decode", "ratio",
-              "roofline", "step ms", "weight bound ms")
+              "roofline tok/s", "step ms", "weight bound ms", "step/bound")
     print("  ".join(f"{h:>14}" for h in header))
     for r in rows:
         cells = (r.batch_size, r.tsukimi_prefill_tok_s, r.transformers_prefill_tok_s, r.prefill_ratio,
                  r.tsukimi_decode_tok_s, r.transformers_decode_tok_s, r.decode_ratio, r.roofline_decode_tok_s,
-                 r.tsukimi_decode_step_ms, r.weight_streaming_bound_ms)
-        print("  ".join(f"{c:>14}" for c in cells))
+                 r.tsukimi_decode_step_ms, r.weight_streaming_bound_ms, r.step_to_bound_ratio)
+        print("  ".join(f"{'-' if c is None else c:>14}" for c in cells))

@@ -60,3 +60,18 @@ def test_chat_answers_on_stdin_and_exits_on_eof() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "model>" in result.stdout and "Paris" in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_engine_json_has_the_documented_fields() -> None:
+    result = tsukimi(
+        "bench", "engine", "--batch-sizes", "2", "--prompt-len", "16", "--gen-len", "2", "--repeats", "1",
+        "--skip-transformers", "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(result.stdout)["results"]
+    fields = {"batch_size", "dtype", "tsukimi_prefill_tok_s", "transformers_prefill_tok_s", "tsukimi_decode_tok_s",
+              "transformers_decode_tok_s", "prefill_ratio", "decode_ratio", "roofline_decode_tok_s"}
+    assert fields <= row.keys()
+    assert row["batch_size"] == 2 and row["tsukimi_decode_tok_s"] > 0 and row["roofline_decode_tok_s"] > 0
+    assert row["transformers_decode_tok_s"] is None and row["decode_ratio"] is None  # skipped, said so
