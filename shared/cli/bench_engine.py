@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from shared.bench.hf_baseline import load_transformers_model, measure_transformers, random_prompts
+from shared.bench.hf_baseline import random_prompts
+from shared.bench.hf_process import TransformersProcess
 from shared.bench.roofline import (
     decode_roofline,
     measure_matmul_peak,
@@ -70,7 +71,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "same model, dtype and random prompts: prefill tokens/s (whole batch in one pass) and decode tokens/s "
         "(decode only: for transformers, a run of gen-len+1 tokens minus a run of 1). Also prints this machine's "
         "roofline for one decode step (weights and KV over measured memory bandwidth, FLOPs over measured "
-        "matmul peak) and the weight-streaming bound (weights over the rate a decode-shaped matmul streams them).",
+        "matmul peak) and the weight-streaming bound (weights over the rate a decode-shaped matmul streams them). "
+        "transformers runs in a separate process, its runs interleaved with tsukimi's.",
     )
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="default: 1,8,32")
     parser.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per prompt (default: 128)")
@@ -119,11 +121,15 @@ def _log(text: str) -> None:
 @dataclass(frozen=True)
 class _Setup:
     engine: LLMEngine
-    hf_model: object | None
+    transformers: TransformersProcess | None
     model_config: LlamaConfig
     dtype: torch.dtype
     bandwidth: float
     peak_flops: float
+
+
+def _bench_rows(setup: _Setup, args: argparse.Namespace) -> list[BenchRow]:
+    return [_bench_row(setup, batch_size, args) for batch_size in args.batch_sizes]
 
 
 def _bench_row(setup: _Setup, batch_size: int, args: argparse.Namespace) -> BenchRow:
@@ -134,11 +140,9 @@ def _bench_row(setup: _Setup, batch_size: int, args: argparse.Namespace) -> Benc
     for repeat in range(args.repeats):
         _log(f"batch {batch_size}, run {repeat + 1}/{args.repeats}: tsukimi...")
         ours.append(measure_tsukimi(setup.engine, prompts, args.gen_len))
-        if setup.hf_model is not None:
+        if setup.transformers is not None:
             _log(f"batch {batch_size}, run {repeat + 1}/{args.repeats}: transformers...")
-            theirs.append(measure_transformers(
-                setup.hf_model, batch_size, args.prompt_len, args.gen_len, seed=batch_size  # type: ignore[arg-type]
-            ))
+            theirs.append(setup.transformers.measure(batch_size, args.prompt_len, args.gen_len, seed=batch_size))
     theirs_prefill = _median([r.prefill_tok_s for r in theirs]) if theirs else None
     theirs_decode = _median([r.decode_tok_s for r in theirs]) if theirs else None
     roof = decode_roofline(
@@ -174,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     model_config, dtype = checkpoint.config, config.torch_dtype
-    hf_model = None if args.skip_transformers else load_transformers_model(checkpoint.path, dtype)
     _log("measuring memory bandwidth and matmul peak...")
     bandwidth, peak = measure_memory_bandwidth(), measure_matmul_peak(dtype)
-    setup = _Setup(engine, hf_model, model_config, dtype, bandwidth, peak)
-    rows = [_bench_row(setup, batch_size, args) for batch_size in args.batch_sizes]
+    if args.skip_transformers:
+        rows = _bench_rows(_Setup(engine, None, model_config, dtype, bandwidth, peak), args)
+    else:
+        _log("loading transformers' model in a separate process...")
+        with TransformersProcess(checkpoint.path, dtype) as transformers:
+            rows = _bench_rows(_Setup(engine, transformers, model_config, dtype, bandwidth, peak), args)
     machine = {"memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_gflop_s": round(peak / 1e9, 1)}
     if args.json:
         print(json.dumps({"machine": machine, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
