@@ -33,7 +33,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/tsukimi bench engine
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check shared services kernels loadgen tests
+	$(BIN)/ruff check shared services kernels loadgen tests benchmarks
 	$(BIN)/mypy shared services
 
 clean:

@@ -100,23 +100,9 @@ def paged_prefill_attention_ref(
     Returns:
         [num_new, num_heads, head_dim].
     """
-    num_new = q.shape[0]
     block_size = k_cache.shape[2]
-    ids = block_table[: (context_len + block_size - 1) // block_size].long()
-    k = _gather_blocks(k_cache, ids, None)[:, :context_len]  # [kv_heads, context_len, head_dim]
-    v = _gather_blocks(v_cache, ids, None)[:, :context_len]
-    if num_new == context_len:
-        mask = None
-        is_causal = True
-    else:
-        # Query i sits at absolute position context_len - num_new + i and sees keys up to it.
-        query_pos = torch.arange(context_len - num_new, context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
-        is_causal = False
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+    table = block_table[: (context_len + block_size - 1) // block_size]
+    return paged_prefill_attention_padded_ref(q, k_cache, v_cache, table[None], [q.shape[0]], [context_len], scale)
 
 
 def paged_prefill_attention_padded_ref(
