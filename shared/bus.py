@@ -1,0 +1,185 @@
+"""The NATS connection every service uses: connect with reconnect, typed publish/request, typed handlers (with queue
+groups), and the service lifecycle (start, wait for SIGTERM/SIGINT, stop, drain).
+
+Messages and subjects come from `shared.protocol`; this module only moves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.config import Settings, load_settings
+from shared.log import configure_logging, get_logger
+from shared.protocol import Ack, Message, ProtocolError, Subjects, decode, encode
+
+log = get_logger(__name__)
+T = TypeVar("T", bound=Message)
+Handler = Callable[[Any], Awaitable[Message | None]]
+
+
+class BusError(RuntimeError):
+    """A request got no answer in time, or an error answer."""
+
+
+class Bus:
+    """A connected NATS client speaking tsukimi messages.
+
+    Args:
+        client: a connected nats-py client.
+        subjects: the subject names under this deployment's prefix.
+    """
+
+    def __init__(self, client: Client, subjects: Subjects) -> None:
+        self.client = client
+        self.subjects = subjects
+
+    @classmethod
+    async def connect(cls, url: str, name: str, subjects: Subjects, connect_timeout_s: float = 10.0) -> Bus:
+        """Connect (retrying while the server starts) and keep reconnecting forever after a disconnect.
+
+        Raises:
+            BusError: no server answered within `connect_timeout_s`.
+        """
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats error", error=str(exc))
+
+        async def on_disconnect() -> None:
+            log.warning("nats disconnected")
+
+        async def on_reconnect() -> None:
+            log.info("nats reconnected")
+
+        servers = [s.strip() for s in url.split(",") if s.strip()]
+        deadline = asyncio.get_running_loop().time() + connect_timeout_s
+        while True:
+            try:
+                client = await nats.connect(
+                    servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
+                    allow_reconnect=True, error_cb=on_error, disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                )
+                return cls(client, subjects)
+            except Exception as exc:  # nats raises several unrelated types while the server starts
+                if asyncio.get_running_loop().time() > deadline:
+                    raise BusError(f"cannot connect to NATS at {url}: {exc}") from None
+                await asyncio.sleep(0.2)
+
+    @property
+    def max_payload(self) -> int:
+        return int(self.client.max_payload)
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        await self.client.publish(subject, encode(msg))
+
+    async def request(self, subject: str, msg: Message, expected: type[T], timeout_s: float = 2.0) -> T:
+        """Send and wait for the typed reply.
+
+        Raises:
+            BusError: no responder, a timeout, an `Ack` carrying an error, or a reply of another type.
+        """
+        try:
+            reply = await self.client.request(subject, encode(msg), timeout=timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise BusError(f"no answer on {subject}: {type(exc).__name__}") from None
+        try:
+            answer = decode(reply.data)
+        except ProtocolError as exc:
+            raise BusError(f"bad answer on {subject}: {exc}") from None
+        if isinstance(answer, Ack) and not answer.ok:
+            raise BusError(f"{subject}: {answer.error}")
+        if not isinstance(answer, expected):
+            raise BusError(f"{subject}: expected {expected.KIND}, got {answer.KIND}")
+        return answer
+
+    async def serve(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
+        """Call `handler(message)` for each message on `subject`; a returned message answers a request.
+
+        Undecodable messages are logged and dropped (answered with an error `Ack` when a reply is expected);
+        a handler that raises is logged, never kills the subscription.
+        """
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                msg = decode(raw.data)
+            except ProtocolError as exc:
+                log.warning("dropped a bad message", subject=raw.subject, error=str(exc))
+                if raw.reply:
+                    await raw.respond(encode(Ack(ok=False, error=str(exc))))
+                return
+            try:
+                answer = await handler(msg)
+            except Exception as exc:
+                log.exception("handler failed", subject=raw.subject, kind=msg.KIND)
+                answer = Ack(ok=False, error=f"{type(exc).__name__}: {exc}") if raw.reply else None
+            if raw.reply and answer is not None:
+                await raw.respond(encode(answer))
+
+        sub = await self.client.subscribe(subject, queue=queue, cb=on_msg)
+        await self.client.flush()  # the server knows the subscription before we say we serve
+        return sub
+
+    async def drain(self) -> None:
+        """Finish pending handlers, flush, and close."""
+        if not self.client.is_closed:
+            try:
+                await self.client.drain()
+            except Exception as exc:  # a dead server must not block shutdown
+                log.warning("drain failed", error=str(exc))
+
+
+class Service(Protocol):
+    """What `run_service` drives: start serving, then stop (finishing or failing what is in flight)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+ServiceFactory = Callable[[Settings, Bus], Awaitable[Service]]
+
+
+def wait_for_signal() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT (installed on the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_until_signalled(role: str, factory: ServiceFactory) -> None:
+    """Load settings, log, connect, build and start the service, wait for a signal, stop, drain."""
+    settings = load_settings(role)
+    configure_logging(role, settings.instance_id, settings.log_level, settings.log_format)
+    stop = wait_for_signal()
+    bus = await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix))
+    service = await factory(settings, bus)
+    await service.start()
+    log.info("started", nats=settings.nats_url)
+    await stop.wait()
+    log.info("stopping")
+    await service.stop()
+    await bus.drain()
+    log.info("stopped")
+
+
+def run_service(role: str, factory: ServiceFactory) -> None:
+    """The `main()` of every service: exit code 2 with a message on a configuration error."""
+    from shared.config import ConfigError
+
+    try:
+        asyncio.run(serve_until_signalled(role, factory))
+    except (ConfigError, BusError) as exc:
+        import sys
+
+        print(f"{role}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,187 @@
+"""Service settings: every `TSUKIMI_*` environment variable, its default and meaning, read in one place.
+
+This is the only module that reads `os.environ`. Services call `load_settings()` once at start; a bad value raises
+`ConfigError` naming the variable. `ENV_VARS` is the table that `--help`, the compose file test and docs use.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shared.engine.config import EngineConfig
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in [
+        EnvVar("TSUKIMI_NATS_URL", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated"),
+        EnvVar("TSUKIMI_SUBJECT_PREFIX", "tsukimi", "first token of every NATS subject"),
+        EnvVar("TSUKIMI_INSTANCE_ID", "", "this instance's id (default: <role>-<host>-<pid>)"),
+        EnvVar("TSUKIMI_LOG_LEVEL", "info", "debug, info, warning or error"),
+        EnvVar("TSUKIMI_LOG_FORMAT", "json", "json (one object per line) or console"),
+        EnvVar("TSUKIMI_MODEL", "", "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
+        EnvVar("TSUKIMI_MODEL_NAME", "SmolLM2-135M-Instruct", "model id the API serves and accepts"),
+        EnvVar("TSUKIMI_DEVICE", "auto", "cpu, cuda, cuda:N or auto"),
+        EnvVar("TSUKIMI_DTYPE", "fp32", "weights and KV cache: fp32, bf16 or fp16"),
+        EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch or triton"),
+        EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
+        EnvVar("TSUKIMI_KV_CACHE_MB", "256", "paged KV pool of a prefill or decode instance, MiB"),
+        EnvVar("TSUKIMI_BLOCK_SIZE", "64", "tokens per KV block"),
+        EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
+        EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
+        EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
+        EnvVar("TSUKIMI_INSTANCE_TIMEOUT_S", "2.5", "an instance silent this long is forgotten by the scheduler"),
+        EnvVar("TSUKIMI_KV_DEADLINE_S", "10", "decode fails a request whose KV stream stalls this long"),
+        EnvVar("TSUKIMI_KV_CHUNK_KB", "256", "largest KV payload per NATS message, KiB"),
+        EnvVar("TSUKIMI_HOST", "127.0.0.1", "gateway listen address"),
+        EnvVar("TSUKIMI_PORT", "8000", "gateway listen port"),
+        EnvVar("TSUKIMI_MAX_BODY_KB", "1024", "largest HTTP request body, KiB (larger: 413)"),
+        EnvVar("TSUKIMI_REQUEST_TIMEOUT_S", "300", "gateway gives up on a request silent this long"),
+        EnvVar("TSUKIMI_CACHE_SHARD", "0", "this cache-store's shard index"),
+        EnvVar("TSUKIMI_CACHE_SHARDS", "1", "number of cache-store shards (blocks go to hash % shards)"),
+        EnvVar("TSUKIMI_CACHE_DRAM_MB", "1024", "cache-store DRAM tier, MiB"),
+        EnvVar("TSUKIMI_CACHE_SSD_DIR", "", "cache-store SSD tier folder (empty: no SSD tier)"),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a service may be configured with; built by `load_settings`."""
+
+    nats_url: str
+    subject_prefix: str
+    instance_id: str
+    log_level: str
+    log_format: str
+    model_path: str | None
+    model_name: str
+    engine: EngineConfig
+    heartbeat_s: float
+    instance_timeout_s: float
+    kv_deadline_s: float
+    kv_chunk_bytes: int
+    host: str
+    port: int
+    max_body_bytes: int
+    request_timeout_s: float
+    cache_shard: int
+    cache_shards: int
+    cache_dram_bytes: int
+    cache_ssd_dir: str | None
+
+
+def load_settings(role: str, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read every `TSUKIMI_*` variable (missing ones take their defaults).
+
+    Args:
+        role: the service name, used in the default instance id.
+        environ: the variables to read (default: `os.environ`); tests pass a dict.
+    Raises:
+        ConfigError: a value of the wrong type or out of range, or an unknown `TSUKIMI_*` variable (a typo).
+    """
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith("TSUKIMI_") and k not in ENV_VARS)
+    if unknown:
+        raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(ENV_VARS)}")
+    get = _Reader(env)
+    engine_kwargs = dict(
+        device=get.text("TSUKIMI_DEVICE"), dtype=get.text("TSUKIMI_DTYPE"), kernels=get.text("TSUKIMI_KERNELS"),
+        num_threads=get.integer("TSUKIMI_NUM_THREADS", minimum=0),
+        kv_cache_bytes=get.integer("TSUKIMI_KV_CACHE_MB", minimum=1) << 20,
+        block_size=get.integer("TSUKIMI_BLOCK_SIZE", minimum=1),
+        max_num_seqs=get.integer("TSUKIMI_MAX_NUM_SEQS", minimum=1),
+        max_num_batched_tokens=get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1),
+    )
+    try:
+        engine = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(f"engine settings: {exc}") from None
+    shards = get.integer("TSUKIMI_CACHE_SHARDS", minimum=1)
+    shard = get.integer("TSUKIMI_CACHE_SHARD", minimum=0)
+    if shard >= shards:
+        raise ConfigError(f"TSUKIMI_CACHE_SHARD={shard} must be below TSUKIMI_CACHE_SHARDS={shards}")
+    level = get.text("TSUKIMI_LOG_LEVEL").lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"TSUKIMI_LOG_LEVEL must be debug, info, warning or error, got {level!r}")
+    log_format = get.text("TSUKIMI_LOG_FORMAT").lower()
+    if log_format not in ("json", "console"):
+        raise ConfigError(f"TSUKIMI_LOG_FORMAT must be json or console, got {log_format!r}")
+    return Settings(
+        nats_url=get.text("TSUKIMI_NATS_URL"),
+        subject_prefix=get.subject_token("TSUKIMI_SUBJECT_PREFIX"),
+        instance_id=get.subject_token("TSUKIMI_INSTANCE_ID") or default_instance_id(role),
+        log_level=level,
+        log_format=log_format,
+        model_path=get.text("TSUKIMI_MODEL") or None,
+        model_name=get.text("TSUKIMI_MODEL_NAME"),
+        engine=engine,
+        heartbeat_s=get.number("TSUKIMI_HEARTBEAT_S", minimum=0.05),
+        instance_timeout_s=get.number("TSUKIMI_INSTANCE_TIMEOUT_S", minimum=0.1),
+        kv_deadline_s=get.number("TSUKIMI_KV_DEADLINE_S", minimum=0.1),
+        kv_chunk_bytes=get.integer("TSUKIMI_KV_CHUNK_KB", minimum=1) << 10,
+        host=get.text("TSUKIMI_HOST"),
+        port=get.integer("TSUKIMI_PORT", minimum=0),
+        max_body_bytes=get.integer("TSUKIMI_MAX_BODY_KB", minimum=1) << 10,
+        request_timeout_s=get.number("TSUKIMI_REQUEST_TIMEOUT_S", minimum=0.1),
+        cache_shard=shard,
+        cache_shards=shards,
+        cache_dram_bytes=get.integer("TSUKIMI_CACHE_DRAM_MB", minimum=1) << 20,
+        cache_ssd_dir=get.text("TSUKIMI_CACHE_SSD_DIR") or None,
+    )
+
+
+def default_instance_id(role: str) -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:32]
+    return f"{role}-{host}-{os.getpid()}"
+
+
+class _Reader:
+    """Typed access to the variables, with errors that name the variable."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = env
+
+    def text(self, name: str) -> str:
+        return self._env.get(name, ENV_VARS[name].default).strip()
+
+    def integer(self, name: str, minimum: int) -> int:
+        raw = self.text(name)
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+        if value < minimum:
+            raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+        return value
+
+    def number(self, name: str, minimum: float) -> float:
+        raw = self.text(name)
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+        if not value >= minimum:
+            raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+        return value
+
+    def subject_token(self, name: str) -> str:
+        """A value used inside NATS subjects: letters, digits, '-' and '_' only."""
+        raw = self.text(name)
+        if any(not (c.isascii() and (c.isalnum() or c in "-_")) for c in raw):
+            raise ConfigError(f"{name} may hold only letters, digits, '-' and '_', got {raw!r}")
+        return raw

@@ -1,0 +1,443 @@
+"""Every message that crosses NATS, every subject, and their encoding (msgpack); nothing else calls msgpack.
+
+A message is a frozen dataclass registered under a short kind name and a version. On the wire it is the msgpack
+array `[kind, version, {field: value}]`; a receiver rejects an unknown kind or a newer version with
+`ProtocolError`. KV payload bytes inside messages are compressed by `shared.kv_wire`, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from shared.engine.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a message this version understands."""
+
+
+class Role(enum.StrEnum):
+    GATEWAY = "gateway"
+    SCHEDULER = "scheduler"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    CACHE_STORE = "cache-store"
+
+
+class ErrorType(enum.StrEnum):
+    """Why a request failed; the gateway maps these to HTTP statuses."""
+
+    REJECTED = "rejected"  # admission said no (HTTP 429)
+    UNAVAILABLE = "unavailable"  # no live instance, or one died holding the request (HTTP 503)
+    KV_TRANSFER = "kv_transfer"  # missing or corrupt KV chunks (HTTP 502)
+    INVALID = "invalid"  # the request cannot be served as asked (HTTP 400)
+    INTERNAL = "internal"  # a bug (HTTP 500)
+
+
+class Message:
+    """Base of every wire message; subclasses are frozen dataclasses registered with `@message("kind")`."""
+
+    KIND: ClassVar[str] = ""
+    VERSION: ClassVar[int] = PROTOCOL_VERSION
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+M = TypeVar("M", bound=type[Message])
+
+
+def message(kind: str) -> typing.Callable[[M], M]:
+    def register(cls: M) -> M:
+        if kind in _REGISTRY:
+            raise TypeError(f"message kind {kind!r} registered twice")
+        cls.KIND = kind
+        _REGISTRY[kind] = cls
+        return cls
+
+    return register
+
+
+def message_types() -> list[type[Message]]:
+    """Every registered message class (for round-trip tests and docs)."""
+    return list(_REGISTRY.values())
+
+
+# ---- requests ------------------------------------------------------------------------------------------------
+
+
+@message("sampling")
+@dataclass(frozen=True)
+class Sampling(Message):
+    """`SamplingParams` on the wire (stop strings as a list)."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> Sampling:
+        return cls(
+            params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, list(params.stop),
+            params.ignore_eos, params.min_tokens,
+        )
+
+    def to_params(self) -> SamplingParams:
+        """Raises ValueError for out-of-range values."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stop=tuple(self.stop), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+        )
+
+
+@message("submit")
+@dataclass(frozen=True)
+class SubmitRequest(Message):
+    """gateway -> scheduler (request/reply on `sched.submit`): place this request. Reply: `SubmitReply`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks (docs/block-hash.md)
+    sampling: Sampling
+    arrival_time: float  # unix seconds at the gateway
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+
+
+@message("submit-reply")
+@dataclass(frozen=True)
+class SubmitReply(Message):
+    """scheduler -> gateway: where the request went, or why it was not accepted."""
+
+    request_id: str
+    accepted: bool
+    prefill_id: str = ""
+    decode_id: str = ""
+    error_type: str = ""  # an ErrorType value when not accepted
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+@message("prefill-task")
+@dataclass(frozen=True)
+class PrefillTask(Message):
+    """scheduler -> one prefill instance (`prefill.<id>.run`): compute the prompt and hand it to `decode_id`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    block_hashes: list[int]
+    sampling: Sampling
+    decode_id: str
+    arrival_time: float
+
+
+@message("decode-task")
+@dataclass(frozen=True)
+class DecodeTask(Message):
+    """prefill -> decode (`decode.<id>.run`), sent after the last KV chunk: continue this request.
+
+    The prompt's KV arrives as `num_chunks` `KvChunk`s on `decode.<id>.kv`; `first_token` was sampled by prefill
+    and already streamed to the gateway, together with the first `num_emitted_chars` characters of text.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int
+    num_emitted_chars: int
+    sampling: Sampling
+    num_chunks: int
+    num_cached_tokens: int
+    prefill_id: str
+
+
+@message("kv-chunk")
+@dataclass(frozen=True)
+class KvChunk(Message):
+    """One piece of a request's prompt KV (prefill -> decode on `decode.<id>.kv`).
+
+    `data` holds layers [layer_start, layer_end) x K/V x kv heads x tokens [token_start, token_end) x head dim
+    in `dtype`, compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes.
+    """
+
+    request_id: str
+    seq: int  # 0 .. total-1
+    total: int
+    layer_start: int
+    layer_end: int
+    token_start: int
+    token_end: int
+    dtype: str
+    codec: str  # "raw" or "lz4-shuffle"
+    raw_size: int
+    checksum: int
+    data: bytes
+
+
+# ---- streaming back to the gateway ----------------------------------------------------------------------------
+
+
+@message("stream-event")
+@dataclass(frozen=True)
+class StreamEvent(Message):
+    """prefill or decode -> gateway (`stream.<request_id>`): new tokens, the end, or a failure.
+
+    `index` is the position of the first token in `token_ids` among the request's output tokens, so the gateway
+    can order events from the two publishers. A failure has `error_type` set and no tokens.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error_type: str = ""
+    error: str = ""
+
+
+@message("cancel")
+@dataclass(frozen=True)
+class Cancel(Message):
+    """gateway -> every scheduler, prefill and decode instance (`cancel`): drop this request wherever it is."""
+
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# ---- instances and KV events -------------------------------------------------------------------------------
+
+
+@message("heartbeat")
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Every instance -> scheduler (`sched.heartbeat`), every `TSUKIMI_HEARTBEAT_S`: alive, and how loaded.
+
+    `epoch` changes when the instance restarts (its caches are then empty); `request_ids` are the requests it
+    holds now, so the scheduler can fail them if the instance dies.
+    """
+
+    instance_id: str
+    role: str
+    epoch: int
+    sent_at: float
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    request_ids: list[str] = field(default_factory=list)
+
+
+@message("kv-event")
+@dataclass(frozen=True)
+class KvEvent(Message):
+    """A cache's change (`kv.events.<instance>`): blocks `stored`, `removed`, or everything `cleared`.
+
+    `seq` counts events per (instance, epoch); a gap tells the listener to ask for a snapshot.
+    """
+
+    instance_id: str
+    epoch: int
+    seq: int
+    kind: str  # "stored", "removed", "cleared"
+    block_hashes: list[int] = field(default_factory=list)
+
+
+# ---- cache-store --------------------------------------------------------------------------------------------
+
+
+@message("block-put")
+@dataclass(frozen=True)
+class BlockPut(Message):
+    """Part `part` of `num_parts` of one block's bytes (`cache.<shard>.put`, request/reply -> `Ack`).
+
+    The store commits a block only when every part arrived and verified (two-phase: parts, then commit).
+    """
+
+    block_hash: int
+    part: int
+    num_parts: int
+    codec: str
+    raw_size: int
+    checksum: int
+    data: bytes
+
+
+@message("block-get")
+@dataclass(frozen=True)
+class BlockGet(Message):
+    """Ask for part `part` of a stored block (`cache.<shard>.get`, request/reply -> `BlockPart`)."""
+
+    block_hash: int
+    part: int = 0
+
+
+@message("block-part")
+@dataclass(frozen=True)
+class BlockPart(Message):
+    """One part of a stored block, or `found=False`."""
+
+    block_hash: int
+    found: bool
+    part: int = 0
+    num_parts: int = 0
+    codec: str = "raw"
+    raw_size: int = 0
+    checksum: int = 0
+    data: bytes = b""
+
+
+@message("block-has")
+@dataclass(frozen=True)
+class BlockHas(Message):
+    """Which of these blocks does the shard hold (`cache.<shard>.has`, request/reply -> `BlockHasReply`)."""
+
+    block_hashes: list[int]
+
+
+@message("block-has-reply")
+@dataclass(frozen=True)
+class BlockHasReply(Message):
+    present: list[bool]
+
+
+@message("ack")
+@dataclass(frozen=True)
+class Ack(Message):
+    """A generic reply: ok, or an error message."""
+
+    ok: bool = True
+    error: str = ""
+
+
+# ---- encoding -----------------------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """The message as msgpack bytes."""
+    return msgpack.packb([msg.KIND, msg.VERSION, _to_wire(msg)], use_bin_type=True)
+
+
+T = TypeVar("T", bound=Message)
+
+
+def decode(data: bytes, expected: type[T] | None = None) -> Any:
+    """Parse bytes made by `encode`.
+
+    Args:
+        data: the NATS payload.
+        expected: when given, the message must be of this type.
+    Raises:
+        ProtocolError: not msgpack, an unknown kind, a newer version, missing/unknown fields, or not `expected`.
+    """
+    try:
+        kind, version, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"not a tsukimi message: {exc}") from None
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if version > cls.VERSION:
+        raise ProtocolError(f"{kind} version {version} is newer than this service understands ({cls.VERSION})")
+    if expected is not None and cls is not expected:
+        raise ProtocolError(f"expected {expected.KIND}, got {kind}")
+    return _from_wire(cls, fields)
+
+
+def _to_wire(msg: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+        value = getattr(msg, f.name)
+        out[f.name] = _to_wire(value) if isinstance(value, Message) else value
+    return out
+
+
+def _from_wire(cls: type[Message], fields: Any) -> Message:
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{cls.KIND}: fields must be a map")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(fields) - names
+    if unknown:
+        raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(unknown)}")
+    kwargs = {}
+    for name, value in fields.items():
+        hint = hints[name]
+        if isinstance(hint, type) and issubclass(hint, Message):
+            value = _from_wire(hint, value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ProtocolError(f"{cls.KIND}: {exc}") from None
+
+
+# ---- subjects -----------------------------------------------------------------------------------------------
+
+
+PREFILL_QUEUE = "prefill"  # queue group of prefill instances for unaddressed work
+SCHEDULER_QUEUE = "scheduler"  # one active scheduler answers each submit
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Every NATS subject, under one configurable prefix (`TSUKIMI_SUBJECT_PREFIX`)."""
+
+    prefix: str = "tsukimi"
+
+    @property
+    def submit(self) -> str:
+        return f"{self.prefix}.sched.submit"
+
+    @property
+    def heartbeat(self) -> str:
+        return f"{self.prefix}.sched.heartbeat"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}.cancel"
+
+    def kv_events(self, instance_id: str) -> str:
+        return f"{self.prefix}.kv.events.{instance_id}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.prefix}.kv.events.>"
+
+    def prefill_run(self, instance_id: str) -> str:
+        return f"{self.prefix}.prefill.{instance_id}.run"
+
+    def decode_run(self, instance_id: str) -> str:
+        return f"{self.prefix}.decode.{instance_id}.run"
+
+    def decode_kv(self, instance_id: str) -> str:
+        return f"{self.prefix}.decode.{instance_id}.kv"
+
+    def stream(self, request_id: str) -> str:
+        return f"{self.prefix}.stream.{request_id}"
+
+    def cache_put(self, shard: int) -> str:
+        return f"{self.prefix}.cache.{shard}.put"
+
+    def cache_get(self, shard: int) -> str:
+        return f"{self.prefix}.cache.{shard}.get"
+
+    def cache_has(self, shard: int) -> str:
+        return f"{self.prefix}.cache.{shard}.has"
+
+
+def is_valid_request_id(request_id: str) -> bool:
+    """Request ids become subject tokens: 1-128 of letters, digits, '-' and '_'."""
+    return 0 < len(request_id) <= 128 and all(c.isascii() and (c.isalnum() or c in "-_") for c in request_id)

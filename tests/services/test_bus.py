@@ -1,0 +1,75 @@
+"""The bus against a real nats-server: typed publish/serve, request/reply, queue groups, bad payloads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.bus import Bus, BusError
+from shared.protocol import Ack, BlockHas, BlockHasReply, Cancel, Message, Subjects
+
+
+async def _bus(url: str, name: str) -> Bus:
+    return await Bus.connect(url, name, Subjects("t"))
+
+
+async def test_request_reply_is_typed(nats_url: str) -> None:
+    server, client = await _bus(nats_url, "server"), await _bus(nats_url, "client")
+
+    async def handler(msg: Message) -> Message:
+        assert isinstance(msg, BlockHas)
+        return BlockHasReply([h % 2 == 0 for h in msg.block_hashes])
+
+    await server.serve("t.has", handler)
+    reply = await client.request("t.has", BlockHas([2, 3]), BlockHasReply)
+    assert reply.present == [True, False]
+    with pytest.raises(BusError, match="expected ack"):
+        await client.request("t.has", BlockHas([1]), Ack)
+    with pytest.raises(BusError, match="no answer"):
+        await client.request("t.nobody", BlockHas([1]), BlockHasReply, timeout_s=0.3)
+    await server.drain()
+    await client.drain()
+
+
+async def test_a_failing_handler_answers_an_error_and_keeps_serving(nats_url: str) -> None:
+    server, client = await _bus(nats_url, "server"), await _bus(nats_url, "client")
+
+    async def handler(msg: Message) -> Message:
+        if isinstance(msg, Cancel) and msg.request_id == "boom":
+            raise RuntimeError("kaput")
+        return Ack()
+
+    await server.serve("t.x", handler)
+    with pytest.raises(BusError, match="kaput"):
+        await client.request("t.x", Cancel("boom"), Ack)
+    await client.client.publish("t.x", b"not msgpack at all")
+    assert (await client.request("t.x", Cancel("fine"), Ack)).ok
+    await server.drain()
+    await client.drain()
+
+
+async def test_queue_group_delivers_each_message_once(nats_url: str) -> None:
+    buses = [await _bus(nats_url, f"w{i}") for i in range(2)]
+    sender = await _bus(nats_url, "sender")
+    received: list[tuple[int, str]] = []
+
+    def make_handler(worker: int):  # noqa: ANN202
+        async def handler(msg: Message) -> None:
+            assert isinstance(msg, Cancel)
+            received.append((worker, msg.request_id))
+
+        return handler
+
+    for i, bus in enumerate(buses):
+        await bus.serve("t.q", make_handler(i), queue="workers")
+    for i in range(40):
+        await sender.publish("t.q", Cancel(f"r{i}"))
+    await sender.client.flush()
+    for _ in range(50):
+        if len(received) >= 40:
+            break
+        await asyncio.sleep(0.05)
+    assert sorted(r for _, r in received) == sorted(f"r{i}" for i in range(40))
+    for bus in [*buses, sender]:
+        await bus.drain()
