@@ -61,6 +61,11 @@ class Scheduler:
             )
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose blocks are already allocated and filled (its KV came from elsewhere)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is and free its blocks."""
         if seq in self.running:

@@ -46,6 +46,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens and kv_cache_bytes must be positive")
 
     @property
+    def kv_codec(self) -> str:
+        """How this engine's KV blocks are stored: raw tensors of the dtype. Part of the block-hash namespace, so
+        engines (and cache-store copies) with different KV formats never share block ids."""
+        return self.dtype
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 

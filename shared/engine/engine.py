@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from shared.blocks import BlockManager, make_namespace
+import torch
+
+from shared.blocks import BlockManager, OutOfBlocks, make_namespace
 from shared.engine.batching import Scheduler
 from shared.engine.config import EngineConfig
 from shared.engine.runner import ModelRunner
@@ -17,6 +19,13 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Called during a step as each layer's K/V lands in the pool, with the sequences whose prompt this step completes.
+LayerHook = Callable[[int, list[Sequence]], None]
+
+
+class EngineFull(Exception):
+    """The running batch or the KV pool has no room for one more sequence now; try again after some finish."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,19 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PrefilledRequest:
+    """A request whose prompt KV was computed by another engine (see `LLMEngine.add_prefilled`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int  # sampled by prefill, already streamed with its first `num_emitted_chars` characters
+    num_emitted_chars: int
+    params: SamplingParams
+    kv: torch.Tensor  # [num_layers, 2, kv_heads, len(prompt_ids), head_dim]
+    num_cached_tokens: int = 0  # prompt tokens prefill reused, reported in usage
 
 
 @dataclass(frozen=True)
@@ -62,7 +84,8 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.runner = ModelRunner(checkpoint, self.config)
         self.block_manager = BlockManager(
-            self.runner.pool.num_blocks, self.config.block_size, make_namespace(checkpoint.fingerprint, "fp16")
+            self.runner.pool.num_blocks, self.config.block_size,
+            make_namespace(checkpoint.fingerprint, self.config.kv_codec),
         )
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -101,13 +124,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one forward pass over the planned batch; returns an output for every request that advanced."""
+    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
+        """Run one forward pass over the planned batch; returns an output for every request that advanced.
+
+        Args:
+            on_layer: see `LayerHook`; lets prefill stream each layer's KV while the next layer computes.
+        """
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
         tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks}
-        sampled = self.runner.execute(plan, tables)
+        after_layer = None
+        prompts_done = [c.seq for c in plan.chunks if c.completes_sequence and c.seq.num_output_tokens == 0]
+        if on_layer is not None and prompts_done:
+            def after_layer(layer_idx: int) -> None:
+                on_layer(layer_idx, prompts_done)
+        sampled = self.runner.execute(plan, tables, after_layer)
         self.scheduler.finish_step(plan)
         outputs = []
         for request_id, token in sampled.items():
@@ -140,6 +172,82 @@ class LLMEngine:
                         out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
                     )
         return [done[i] for i in ids]
+
+    # ---- disaggregation: KV in and out of this engine -----------------------------------------------------------
+
+    def read_prompt_kv(self, request_id: str, layer_idx: int) -> torch.Tensor:
+        """One layer's K and V of a running request's prompt: [2, kv_heads, num_prompt_tokens, head_dim]."""
+        seq = self._seqs[request_id]
+        return self.runner.pool.read_tokens(layer_idx, self.block_manager.block_ids(request_id), seq.num_prompt_tokens)
+
+    def export_blocks(self, request_id: str, first_block: int, num_blocks: int) -> torch.Tensor:
+        """Full blocks of a running request, every layer:
+        [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
+        block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
+        return self.runner.pool.read_blocks(block_ids)
+
+    def import_prefix(self, token_ids: list[int], kv_blocks: torch.Tensor) -> int:
+        """Put fetched KV of the first full blocks of `token_ids` into the local prefix cache, so that the next
+        request with this prefix reuses them instead of computing them.
+
+        Args:
+            token_ids: a prompt; its first `kv_blocks.shape[3]` blocks are the ones given.
+            kv_blocks: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim].
+        Returns:
+            The number of prefix tokens now cached.
+        Raises:
+            EngineFull: not enough free blocks.
+        """
+        size = self.config.block_size
+        tokens = token_ids[: kv_blocks.shape[3] * size]
+        if not tokens:
+            return 0
+        key = f"import-{next(self._generate_ids)}"
+        try:
+            reused = self.block_manager.allocate(key, tokens)
+        except OutOfBlocks as exc:
+            raise EngineFull(str(exc)) from None
+        try:
+            first = reused // size
+            self.runner.pool.write_blocks(self.block_manager.block_ids(key)[first:], kv_blocks[:, :, :, first:])
+            self.block_manager.mark_computed(key, len(tokens))
+        finally:
+            self.block_manager.free(key)
+        return len(tokens)
+
+    def add_prefilled(self, request: PrefilledRequest) -> None:
+        """Continue a request whose prompt was computed elsewhere: its KV goes into the pool and it joins the
+        running batch with its first token (sampled by prefill) waiting for the next step.
+
+        Raises:
+            ValueError: a duplicate id, or KV whose shape does not fit the prompt and this model.
+            EngineFull: the running batch is full or the pool lacks blocks.
+        """
+        prompt = request.prompt_ids
+        if request.request_id in self._seqs:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        cfg = self.model_config
+        expected = (cfg.num_layers, 2, cfg.num_kv_heads, len(prompt), cfg.head_dim)
+        if tuple(request.kv.shape) != expected:
+            raise ValueError(f"prompt KV has shape {tuple(request.kv.shape)}, expected {expected}")
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            raise EngineFull(f"the running batch holds {self.config.max_num_seqs} sequences")
+        try:
+            reused = self.block_manager.allocate(request.request_id, prompt)
+        except OutOfBlocks as exc:
+            raise EngineFull(str(exc)) from None
+        self.runner.pool.write_tokens(
+            self.block_manager.block_ids(request.request_id), request.kv, reused // self.config.block_size
+        )
+        self.block_manager.mark_computed(request.request_id, len(prompt))
+        seq = Sequence(request.request_id, [*prompt, request.first_token], len(prompt), request.params)
+        seq.num_computed_tokens, seq.num_cached_tokens = len(prompt), request.num_cached_tokens
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        seq.text = detokenizer.push(request.first_token)
+        seq.num_emitted_chars, seq.stop_checked_chars = request.num_emitted_chars, len(seq.text)
+        self.scheduler.add_running(seq)
+        self._seqs[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = detokenizer
 
     def _accept_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params

@@ -5,6 +5,7 @@ Owns the pool tensors and the step metadata (slots, block tables); block bookkee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,35 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensor[layer_idx, 0], self.tensor[layer_idx, 1]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of whole blocks, every layer: [num_layers, 2, kv_heads, len(block_ids), block_size, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        return self.tensor.index_select(3, index)
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Fill whole blocks, every layer; `kv` as `read_blocks` returns it (any device, cast to the pool dtype)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        self.tensor.index_copy_(3, index, kv.to(self.tensor.device, self.tensor.dtype))
+
+    def read_tokens(self, layer_idx: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """A copy of one layer's K and V for a sequence's first `num_tokens`: [2, kv_heads, num_tokens, head_dim]."""
+        num_blocks = -(-num_tokens // self.block_size)
+        index = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=self.tensor.device)
+        kv = self.tensor[layer_idx].index_select(2, index)  # [2, kv_heads, num_blocks, block_size, head_dim]
+        return kv.flatten(2, 3)[:, :, :num_tokens].contiguous()
+
+    def write_tokens(self, block_ids: list[int], kv: torch.Tensor, first_block: int = 0) -> None:
+        """Write a sequence's KV of every layer, `kv`: [num_layers, 2, kv_heads, num_tokens, head_dim], into its
+        blocks, skipping the first `first_block` blocks (already holding the same KV, e.g. from the prefix cache)."""
+        num_layers, _, num_kv_heads, num_tokens, head_dim = kv.shape
+        num_blocks = -(-num_tokens // self.block_size)
+        if first_block >= num_blocks:
+            return
+        padded = kv.new_zeros(num_layers, 2, num_kv_heads, num_blocks * self.block_size, head_dim)
+        padded[:, :, :, :num_tokens] = kv
+        blocks = padded.unflatten(3, (num_blocks, self.block_size))[:, :, :, first_block:]
+        self.write_blocks(block_ids[first_block:num_blocks], blocks)
 
     def gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat buffers that hold `num_blocks` gathered blocks of K and of V (grown, never shrunk)."""
@@ -99,8 +129,12 @@ class StepMetadata:
 class PagedAttention:
     """The model's `AttentionContext` for one step: store this step's K/V, then attend over the pool."""
 
-    def __init__(self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend) -> None:
+    def __init__(
+        self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> None:
         self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
+        self.after_layer = after_layer  # called once a layer's K/V of this step are in the pool
         # Only the reference path gathers; Triton reads the pool in place.
         is_reference = backend is KernelBackend.TORCH
         self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
@@ -109,6 +143,8 @@ class PagedAttention:
         meta, backend = self.meta, self.backend
         k_cache, v_cache = self.pool.layer(layer_idx)
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)
+        if self.after_layer is not None:
+            self.after_layer(layer_idx)
         num_decode = meta.num_decode_tokens
         if not meta.prefill_segments:
             return self._decode(q, k_cache, v_cache)

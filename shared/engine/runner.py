@@ -5,6 +5,8 @@ It does not decide what runs (that is `batching.Scheduler`) nor what text comes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.backend import KernelBackend, select_backend
@@ -45,12 +47,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
 
-    def execute(self, plan: StepPlan, block_tables: dict[str, list[int]]) -> dict[str, int]:
-        """Run one step; returns the sampled token of every sequence whose chunk completes it."""
+    def execute(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: Callable[[int], None] | None = None
+    ) -> dict[str, int]:
+        """Run one step; returns the sampled token of every sequence whose chunk completes it.
+
+        `after_layer(layer_idx)` is called during the forward pass as soon as each layer's K/V are in the pool.
+        """
         input_ids, positions, slots = self._flatten(plan.chunks, block_tables)
         meta = self._metadata(plan.chunks, block_tables, slots)
         with torch.inference_mode():
-            ctx = PagedAttention(self.pool, meta, self.scale, self.backend)
+            ctx = PagedAttention(self.pool, meta, self.scale, self.backend, after_layer)
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
             rows, seqs = self._sample_rows(plan.chunks)
             if not rows:

@@ -1,0 +1,78 @@
+"""Disaggregation inside the engine: prefill on one engine, stream each layer's KV out, continue decoding on another;
+and a prefix imported from outside is reused. The answer must equal one engine doing everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest
+from shared.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(engine: LLMEngine) -> list[int]:
+    return engine.tokenizer.encode("The moon festival is celebrated in autumn, when families gather to " * 3)
+
+
+def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[torch.Tensor, int, str, list[int]]:
+    """Run the prompt, capturing each layer's KV as the hook announces it; returns (kv, first token, text, order)."""
+    layers: dict[int, torch.Tensor] = {}
+    order: list[int] = []
+
+    def on_layer(layer_idx: int, seqs: list) -> None:  # noqa: ANN001
+        assert [s.request_id for s in seqs] == [request_id]
+        order.append(layer_idx)
+        layers[layer_idx] = engine.read_prompt_kv(request_id, layer_idx)
+
+    engine.add_request(request_id, prompt, GREEDY)
+    outputs = engine.step(on_layer)
+    (out,) = outputs
+    engine.abort(request_id)
+    kv = torch.stack([layers[i] for i in range(len(layers))])
+    return kv, out.new_token_ids[0], out.new_text, order
+
+
+def test_prefill_here_decode_there_equals_one_engine(make_engine) -> None:
+    prefill, decode, whole = make_engine(), make_engine(), make_engine()
+    prompt = _prompt(prefill)
+    (expected,) = whole.generate([prompt], GREEDY)
+    kv, first, text, order = _prefill(prefill, "r1", prompt)
+    assert order == list(range(prefill.model_config.num_layers))  # every layer, in order, during the pass
+    decode.add_prefilled(PrefilledRequest("r1", prompt, first, len(text), GREEDY, kv))
+    tokens, pieces = [first], [text]
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens += out.new_token_ids
+            pieces.append(out.new_text)
+    assert tokens == expected.token_ids
+    assert "".join(pieces) == expected.text
+
+
+def test_add_prefilled_checks_shape_and_room(make_engine) -> None:
+    decode = make_engine(max_num_seqs=1)
+    prompt = _prompt(decode)
+    cfg = decode.model_config
+    good = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, len(prompt), cfg.head_dim)
+    with pytest.raises(ValueError, match="shape"):
+        decode.add_prefilled(PrefilledRequest("bad", prompt, 1, 0, GREEDY, good[:, :, :, :-1]))
+    decode.add_prefilled(PrefilledRequest("a", prompt, 1, 0, GREEDY, good))
+    with pytest.raises(EngineFull):
+        decode.add_prefilled(PrefilledRequest("b", prompt, 1, 0, GREEDY, good))
+
+
+def test_an_imported_prefix_is_reused_and_gives_the_same_answer(make_engine) -> None:
+    source, target, whole = make_engine(), make_engine(), make_engine()
+    prompt = _prompt(source)
+    (expected,) = whole.generate([prompt], GREEDY)
+    source.add_request("s", prompt, GREEDY)
+    source.step()
+    num_full = len(prompt) // source.config.block_size
+    blocks = source.export_blocks("s", 0, num_full)
+    source.abort("s")
+    assert target.import_prefix(prompt, blocks) == num_full * source.config.block_size
+    (got,) = target.generate([prompt], GREEDY)
+    assert got.num_cached_tokens >= (num_full - 1) * source.config.block_size > 0
+    assert got.token_ids == expected.token_ids
