@@ -186,20 +186,21 @@ class LLMEngine:
         block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
         return self.runner.pool.read_blocks(block_ids)
 
-    def import_prefix(self, token_ids: list[int], kv_blocks: torch.Tensor) -> int:
-        """Put fetched KV of the first full blocks of `token_ids` into the local prefix cache, so that the next
-        request with this prefix reuses them instead of computing them.
+    def import_prefix(self, token_ids: list[int], kv_blocks: torch.Tensor, first_block: int = 0) -> int:
+        """Put fetched KV of full blocks of `token_ids` into the local prefix cache, so that the next request with
+        this prefix reuses them instead of computing them.
 
         Args:
-            token_ids: a prompt; its first `kv_blocks.shape[3]` blocks are the ones given.
-            kv_blocks: [num_layers, 2, kv_heads, num_blocks, block_size, head_dim].
+            token_ids: a prompt.
+            kv_blocks: blocks [first_block, first_block + n) of it: [num_layers, 2, kv_heads, n, block_size, head_dim].
+            first_block: the local cache must already hold the blocks before it (nothing is imported otherwise).
         Returns:
-            The number of prefix tokens now cached.
+            The number of prefix tokens now cached (0 when the local prefix was shorter than `first_block`).
         Raises:
             EngineFull: not enough free blocks.
         """
         size = self.config.block_size
-        tokens = token_ids[: kv_blocks.shape[3] * size]
+        tokens = token_ids[: (first_block + kv_blocks.shape[3]) * size]
         if not tokens:
             return 0
         key = f"import-{next(self._generate_ids)}"
@@ -208,8 +209,10 @@ class LLMEngine:
         except OutOfBlocks as exc:
             raise EngineFull(str(exc)) from None
         try:
-            first = reused // size
-            self.runner.pool.write_blocks(self.block_manager.block_ids(key)[first:], kv_blocks[:, :, :, first:])
+            if reused < first_block * size:
+                return 0  # the local prefix was evicted meanwhile: there would be a hole
+            fresh_ids = self.block_manager.block_ids(key)[reused // size :]
+            self.runner.pool.write_blocks(fresh_ids, kv_blocks[:, :, :, reused // size - first_block :])
             self.block_manager.mark_computed(key, len(tokens))
         finally:
             self.block_manager.free(key)

@@ -1,0 +1,210 @@
+"""The decode service: receives prompt KV in verified chunks, joins each request to its continuous batch once its KV
+is complete, and streams tokens to the gateway. A stalled or corrupt KV stream fails only its own request.
+
+It never computes prompts (that is services.prefill) and trusts no KV that did not pass its checksum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from services.engine_host import EngineHost
+from shared.bus import Bus, run_service
+from shared.config import Settings
+from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
+from shared.heartbeat import HeartbeatSender, Load
+from shared.kv_wire import KvReceiver, KvTransferError
+from shared.log import get_logger
+from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Message, Role, StreamEvent
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Waiting:
+    """A request whose DecodeTask arrived; its KV may still be in flight."""
+
+    task: DecodeTask
+    since: float  # monotonic seconds
+
+
+class DecodeService:
+    """Serves `decode.<id>.kv`, `decode.<id>.run` and the broadcast `cancel`. A DecodeTask may arrive before or after
+    the last chunk of its KV; the request joins the batch when both are in.
+
+    Args:
+        settings: service settings (KV deadline, heartbeat interval).
+        bus: the NATS connection.
+        engine: the decode engine.
+    """
+
+    def __init__(self, settings: Settings, bus: Bus, engine: LLMEngine) -> None:
+        self.settings, self.bus, self.engine = settings, bus, engine
+        self.host: EngineHost[RequestOutput] = EngineHost(engine)
+        self.receiver = KvReceiver(settings.kv_deadline_s)
+        self._waiting: dict[str, _Waiting] = {}  # DecodeTask in, KV not complete yet
+        self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
+        self._running: set[str] = set()
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()  # _ready and _running are shared with the engine thread
+        self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.DECODE, settings.heartbeat_s, self.load)
+        self._deadline_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        s, me = self.bus.subjects, self.settings.instance_id
+        await self.bus.serve(s.decode_kv(me), self.handle_message)
+        await self.bus.serve(s.decode_run(me), self.handle_message)
+        await self.bus.serve(s.cancel, self.handle_message)
+        self.host.start(self._tick, self._deliver)
+        self._deadline_task = asyncio.create_task(self._enforce_deadlines())
+        self._heartbeat.start()
+        await self._heartbeat.send_now()
+
+    async def stop(self) -> None:
+        await self._heartbeat.stop()
+        if self._deadline_task is not None:
+            self._deadline_task.cancel()
+        await self.host.stop()
+
+    def load(self) -> Load:
+        blocks = self.engine.block_manager
+        with self._lock:
+            running, ready = list(self._running), [r.request_id for r in self._ready]
+        return Load(
+            num_running=len(running), num_waiting=len(self._waiting) + len(ready),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
+            request_ids=[*running, *self._waiting, *ready],
+        )
+
+    async def handle_message(self, msg: Message) -> None:
+        if isinstance(msg, KvChunk):
+            error = self.receiver.add(msg)
+            if error is not None:
+                self._waiting.pop(msg.request_id, None)
+                await self._fail(msg.request_id, str(error))
+                return
+            await self._maybe_ready(msg.request_id)
+        elif isinstance(msg, DecodeTask):
+            self._waiting[msg.request_id] = _Waiting(msg, time.monotonic())
+            await self._maybe_ready(msg.request_id)
+        elif isinstance(msg, Cancel):
+            self._cancel(msg)
+
+    def _cancel(self, msg: Cancel) -> None:
+        request_id = msg.request_id
+        self.receiver.discard(request_id)
+        self._waiting.pop(request_id, None)
+        with self._lock:
+            for ready in [r for r in self._ready if r.request_id == request_id]:
+                self._ready.remove(ready)
+            is_running = request_id in self._running
+        if is_running:
+            self._aborts.add(request_id)
+            self.host.wake()
+        log.info("decode cancelled", request_id=request_id, reason=msg.reason)
+
+    async def _maybe_ready(self, request_id: str) -> None:
+        waiting = self._waiting.get(request_id)
+        if waiting is None or not self.receiver.is_complete(request_id):
+            return
+        assembly = self.receiver.take_complete(request_id)
+        del self._waiting[request_id]
+        task, cfg = waiting.task, self.engine.model_config
+        try:
+            if assembly is None or assembly.num_received != task.num_chunks:
+                raise KvTransferError(f"request {request_id}: expected {task.num_chunks} KV chunks")
+            kv = await asyncio.to_thread(
+                assembly.assemble, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.engine.runner.pool.tensor.dtype
+            )
+            params = task.sampling.to_params()
+        except (KvTransferError, ValueError) as exc:
+            await self._fail(request_id, str(exc))
+            return
+        request = PrefilledRequest(
+            request_id, task.prompt_ids, task.first_token, task.num_emitted_chars, params, kv, task.num_cached_tokens,
+        )
+        with self._lock:
+            self._ready.append(request)
+        self.host.wake()
+
+    async def _enforce_deadlines(self) -> None:
+        """Fail requests whose KV stream stalled, or whose KV never started arriving."""
+        deadline = self.settings.kv_deadline_s
+        while True:
+            await asyncio.sleep(min(0.5, deadline / 4))
+            for request_id, reason in self.receiver.expire():
+                self._waiting.pop(request_id, None)
+                await self._fail(request_id, reason)
+            now = time.monotonic()
+            for request_id, waiting in list(self._waiting.items()):
+                if request_id not in self.receiver and now - waiting.since > deadline:
+                    del self._waiting[request_id]
+                    await self._fail(request_id, f"no KV chunk arrived within {deadline} s")
+
+    # ---- the engine thread ------------------------------------------------------------------------------------
+
+    def _tick(self) -> tuple[list[RequestOutput], bool]:
+        for request_id in list(self._aborts):
+            self._aborts.discard(request_id)
+            self.engine.abort(request_id)
+            with self._lock:
+                self._running.discard(request_id)
+        self._admit_ready()
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        with self._lock:
+            self._running.difference_update(out.request_id for out in outputs if out.finished)
+        return outputs, self.engine.has_unfinished()
+
+    def _admit_ready(self) -> None:
+        """Move assembled requests into the engine while it has room (the rest wait for finished ones)."""
+        while True:
+            with self._lock:
+                if not self._ready:
+                    return
+                request = self._ready[0]
+            try:
+                self.engine.add_prefilled(request)
+            except EngineFull:
+                return
+            except ValueError as exc:
+                log.warning("rejected prefilled request", request_id=request.request_id, error=str(exc))
+                request = None  # type: ignore[assignment]
+            with self._lock:
+                self._ready.popleft()
+                if request is not None:
+                    self._running.add(request.request_id)
+
+    # ---- back on the event loop -------------------------------------------------------------------------------
+
+    async def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            event = StreamEvent(
+                out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_text,
+                out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
+            )
+            await self.bus.publish(self.bus.subjects.stream(out.request_id), event)
+            if out.finished:
+                log.info("decoded", request_id=out.request_id, reason=out.finish_reason,
+                         output_tokens=out.num_output_tokens)
+
+    async def _fail(self, request_id: str, error: str) -> None:
+        log.warning("KV transfer failed", request_id=request_id, error=error)
+        event = StreamEvent(request_id, -1, [], "", error_type=ErrorType.KV_TRANSFER, error=error)
+        await self.bus.publish(self.bus.subjects.stream(request_id), event)
+
+
+async def build(settings: Settings, bus: Bus) -> DecodeService:
+    engine = await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
+    return DecodeService(settings, bus, engine)
+
+
+def main() -> None:
+    run_service(Role.DECODE, build)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Hosting an engine inside an asyncio service: every engine call runs on one dedicated thread (the engine is not
+thread-safe), and the step loop alternates a tick on that thread with delivering its results on the event loop.
+
+Also the byte form of a KV block as the cache-store keeps it. Nothing here knows prefill from decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from shared.engine.engine import LLMEngine
+from shared.log import get_logger
+
+log = get_logger(__name__)
+R = TypeVar("R")
+Tick = Callable[[], tuple[list[R], bool]]  # engine thread: (results to deliver, whether work remains)
+
+
+class EngineHost(Generic[R]):
+    """Owns the engine thread and the step loop.
+
+    Args:
+        engine: the engine; touch it only through `call` or inside the tick.
+        idle_poll_s: how often an idle loop ticks anyway (to notice timers such as deadlines).
+    """
+
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.2) -> None:
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread (after whatever runs there now)."""
+        return await self.loop.run_in_executor(self._executor, fn, *args)
+
+    def start(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(tick, deliver), name="engine-loop")
+
+    def wake(self) -> None:
+        """New work: tick now instead of at the next idle poll."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                results, busy = await self.call(tick)
+                if results:
+                    await deliver(results)
+            except Exception:  # one bad step must not stop the service; its requests time out or retry
+                log.exception("engine step failed")
+                busy = False
+            if not busy:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll_s)
+                except TimeoutError:
+                    pass
+
+
+def block_to_bytes(block: torch.Tensor) -> bytes:
+    """A KV block (any dtype) as raw bytes, C order."""
+    return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def block_from_bytes(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `block_to_bytes`. Raises ValueError when the size does not fit the shape."""
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(data) != expected:
+        raise ValueError(f"a block of shape {shape} in {dtype} has {expected} bytes, got {len(data)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
