@@ -1,0 +1,121 @@
+"""The decode service on a real nats-server and the real model: complete KV streams decode; a corrupt chunk fails
+its request at once, a missing chunk after the deadline; a cancel shrinks the batch; the others keep being served."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from services.decode import DecodeService
+from shared.bus import Bus
+from shared.config import load_settings
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.kv_wire import chunk_layer_kv, num_kv_chunks
+from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Sampling, StreamEvent, Subjects, decode
+
+pytestmark = pytest.mark.slow
+PREFIX = "dkv"
+NUM_PROMPT = 40
+
+
+@pytest.fixture
+async def service(nats_url: str, checkpoint) -> AsyncIterator[DecodeService]:
+    settings = load_settings("decode", {
+        "TSUKIMI_NATS_URL": nats_url, "TSUKIMI_SUBJECT_PREFIX": PREFIX, "TSUKIMI_INSTANCE_ID": "d0",
+        "TSUKIMI_KV_DEADLINE_S": "1", "TSUKIMI_HEARTBEAT_S": "0.2",
+    })
+    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", kv_cache_bytes=32 << 20, block_size=16))
+    bus = await Bus.connect(nats_url, "decode", Subjects(PREFIX))
+    svc = DecodeService(settings, bus, engine)
+    await svc.start()
+    yield svc
+    await svc.stop()
+    await bus.drain()
+
+
+class Client:
+    """Plays prefill (sends KV and tasks) and gateway (collects stream events)."""
+
+    def __init__(self, bus: Bus, checkpoint) -> None:  # noqa: ANN001
+        self.bus, self.cfg = bus, checkpoint.config
+        self.events: dict[str, list[StreamEvent]] = {}
+
+    async def listen(self, request_id: str) -> None:
+        async def on(msg) -> None:  # noqa: ANN001
+            self.events.setdefault(request_id, []).append(decode(msg.data))
+
+        await self.bus.client.subscribe(self.bus.subjects.stream(request_id), cb=on)
+
+    def chunks(self, request_id: str) -> list[KvChunk]:
+        cfg = self.cfg
+        total = num_kv_chunks(cfg.num_layers, NUM_PROMPT, 2 * cfg.num_kv_heads * cfg.head_dim * 4, 4096)
+        out: list[KvChunk] = []
+        for layer in range(cfg.num_layers):
+            kv = torch.randn(2, cfg.num_kv_heads, NUM_PROMPT, cfg.head_dim) * 0.1
+            out += chunk_layer_kv(request_id, layer, kv, len(out), total, 4096)
+        return out
+
+    async def send(self, request_id: str, chunks: list[KvChunk], max_tokens: int = 4) -> None:
+        await self.listen(request_id)
+        for chunk in chunks:
+            await self.bus.publish(self.bus.subjects.decode_kv("d0"), chunk)
+        task = DecodeTask(request_id, list(range(100, 100 + NUM_PROMPT)), 7, 0,
+                          Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), len(chunks), 0, "p0")
+        await self.bus.publish(self.bus.subjects.decode_run("d0"), task)
+
+    async def wait_done(self, request_id: str, timeout_s: float = 30.0) -> list[StreamEvent]:
+        for _ in range(int(timeout_s / 0.05)):
+            events = self.events.get(request_id, [])
+            if events and (events[-1].finish_reason or events[-1].error_type):
+                return events
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{request_id}: no end after {timeout_s} s: {self.events.get(request_id)}")
+
+
+@pytest.fixture
+async def client(nats_url: str, checkpoint) -> AsyncIterator[Client]:
+    bus = await Bus.connect(nats_url, "client", Subjects(PREFIX))
+    yield Client(bus, checkpoint)
+    await bus.drain()
+
+
+async def test_good_corrupt_and_missing_streams(service: DecodeService, client: Client) -> None:
+    good = client.chunks("good")
+    assert len(good) > 30  # several chunks per layer
+    corrupt = client.chunks("corrupt")
+    corrupt[5] = dataclasses.replace(corrupt[5], data=bytes([corrupt[5].data[0] ^ 1]) + corrupt[5].data[1:])
+    missing = client.chunks("missing")
+    del missing[17]
+    await client.send("corrupt", corrupt)
+    await client.send("missing", missing)
+    await client.send("good", good)
+    done = await client.wait_done("good")
+    assert [e.index for e in done] == [1, 2, 3] and done[-1].finish_reason == "length"
+    (failure,) = await client.wait_done("corrupt")
+    assert failure.error_type == ErrorType.KV_TRANSFER and "checksum" in failure.error and "5" in failure.error
+    (stalled,) = await client.wait_done("missing", timeout_s=5)
+    assert stalled.error_type == ErrorType.KV_TRANSFER and "missing" in stalled.error
+    # Still serving after both failures.
+    await client.send("after", client.chunks("after"))
+    assert (await client.wait_done("after"))[-1].finish_reason == "length"
+    assert len(service.receiver) == 0 and not service._waiting
+
+
+async def test_cancel_shrinks_the_batch(service: DecodeService, client: Client) -> None:
+    await client.send("long", client.chunks("long"), max_tokens=2000)
+    for _ in range(200):
+        if service.load().num_running == 1 and client.events.get("long"):
+            break
+        await asyncio.sleep(0.05)
+    assert service.load().num_running == 1
+    await client.bus.publish(client.bus.subjects.cancel, Cancel("long"))
+    for _ in range(100):
+        if service.load().num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert service.load().num_running == 0 and not service.engine.has_unfinished()
