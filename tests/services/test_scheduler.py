@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from fakes import RecordingBus
 
 from services.scheduler import BlockIndex, SchedulerService
 from shared.config import load_settings
@@ -20,7 +21,6 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
 )
-from tests.services.fakes import RecordingBus
 
 
 class Clock:

@@ -1,0 +1,66 @@
+"""`python -m services.gateway`: load settings and the tokenizer, connect to NATS, serve HTTP until a signal.
+
+Configured only by `TSUKIMI_*` variables (shared/config.py); listens on TSUKIMI_HOST:TSUKIMI_PORT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from aiohttp import web
+
+from services.gateway.app import Gateway, GatewayConfig
+from services.gateway.backend import NatsBackend
+from services.gateway.prompt import ModelInfo
+from shared.bus import Bus, BusError, wait_for_signal
+from shared.config import ConfigError, Settings, load_settings
+from shared.log import configure_logging, get_logger
+from shared.model.checkpoint import load_checkpoint
+from shared.protocol import Subjects
+
+log = get_logger("services.gateway")
+
+
+def model_info(settings: Settings) -> ModelInfo:
+    """The served model's tokenizer and limits (loads the checkpoint: a few seconds)."""
+    checkpoint = load_checkpoint(settings.model_path)
+    return ModelInfo(
+        name=settings.model_name, tokenizer=checkpoint.tokenizer, fingerprint=checkpoint.fingerprint,
+        context_len=checkpoint.config.max_position, vocab_size=checkpoint.config.vocab_size,
+        kv_codec=settings.engine.kv_codec,
+    )
+
+
+async def serve(settings: Settings) -> None:
+    """Connect, serve HTTP on settings.host:settings.port, wait for SIGTERM/SIGINT, shut down and drain."""
+    stop = wait_for_signal()
+    model = await asyncio.to_thread(model_info, settings)
+    bus = await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix))
+    backend = NatsBackend(bus, settings.instance_timeout_s)
+    await backend.start()
+    config = GatewayConfig(settings.engine.block_size, settings.request_timeout_s, settings.max_body_bytes)
+    runner = web.AppRunner(Gateway(model, backend, config).build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    log.info("started", host=settings.host, port=settings.port, nats=settings.nats_url, model=settings.model_name)
+    await stop.wait()
+    log.info("stopping")
+    await runner.cleanup()
+    await backend.stop()
+    await bus.drain()
+    log.info("stopped")
+
+
+def main() -> None:
+    try:
+        settings = load_settings("gateway")
+        configure_logging("gateway", settings.instance_id, settings.log_level, settings.log_format)
+        asyncio.run(serve(settings))
+    except (ConfigError, BusError, OSError) as exc:
+        print(f"gateway: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The gateway's view of the cluster: the `Backend` interface (submit, stream events, cancel, who is alive) and
+`NatsBackend`, its implementation over the bus. Tests drive the HTTP side with a fake backend instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from nats.aio.subscription import Subscription
+
+from shared.bus import Bus, BusError
+from shared.heartbeat import LiveInstances
+from shared.log import get_logger
+from shared.protocol import Cancel, Heartbeat, Message, Role, StreamEvent, SubmitReply, SubmitRequest
+
+log = get_logger(__name__)
+ROLES_FOR_HEALTH = (Role.PREFILL.value, Role.DECODE.value)  # /health needs one live instance of each
+
+
+class BackendUnavailable(Exception):
+    """The scheduler did not answer (no responder, a timeout, a broken reply)."""
+
+
+class EventStream(Protocol):
+    """The `StreamEvent`s of one request, in arrival order (not necessarily `index` order)."""
+
+    async def next_event(self, timeout_s: float) -> StreamEvent | None:
+        """The next event, or None when none arrived within `timeout_s`."""
+        ...
+
+    async def close(self) -> None:
+        """Stop listening (idempotent)."""
+        ...
+
+
+class Backend(Protocol):
+    """What the HTTP side needs from the rest of tsukimi.
+
+    A request's stream must be opened before it is submitted, so that no event can be published before anyone
+    listens.
+    """
+
+    async def open_stream(self, request_id: str) -> EventStream: ...
+
+    async def submit(self, request: SubmitRequest) -> SubmitReply:
+        """Ask the scheduler to place the request. Raises BackendUnavailable when it does not answer."""
+        ...
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Tell every instance to drop the request (best effort, never raises)."""
+        ...
+
+    def num_alive(self, role: str) -> int:
+        """Live instances of a role (from heartbeats)."""
+        ...
+
+    def num_waiting(self, role: str) -> int:
+        """Requests waiting at the live instances of a role (the sum of their heartbeats' `num_waiting`)."""
+        ...
+
+
+class _NatsEventStream:
+    def __init__(self, backend: NatsBackend, request_id: str) -> None:
+        self.backend, self.request_id = backend, request_id
+        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.subscription: Subscription | None = None
+
+    async def on_message(self, msg: Message) -> None:
+        if isinstance(msg, StreamEvent) and msg.request_id == self.request_id:
+            self.queue.put_nowait(msg)
+        else:
+            log.warning("unexpected message on a stream subject", request_id=self.request_id, kind=msg.KIND)
+
+    async def next_event(self, timeout_s: float) -> StreamEvent | None:
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        subscription, self.subscription = self.subscription, None
+        if subscription is None:
+            return
+        self.backend.num_open_streams -= 1
+        try:
+            await subscription.unsubscribe()
+        except Exception as exc:  # a closed connection has no subscriptions left to leak
+            log.warning("unsubscribe failed", request_id=self.request_id, error=str(exc))
+
+
+class NatsBackend:
+    """`Backend` over NATS: `sched.submit` request/reply, `stream.<id>` subscriptions, `cancel`, heartbeats.
+
+    Args:
+        bus: a connected bus.
+        instance_timeout_s: an instance silent this long no longer counts as alive.
+        submit_timeout_s: how long to wait for the scheduler's answer.
+    """
+
+    def __init__(self, bus: Bus, instance_timeout_s: float, submit_timeout_s: float = 5.0) -> None:
+        self.bus = bus
+        self.live = LiveInstances(instance_timeout_s)
+        self.submit_timeout_s = submit_timeout_s
+        self.num_open_streams = 0
+        self._heartbeats: Subscription | None = None
+
+    async def start(self) -> None:
+        """Start following heartbeats."""
+        self._heartbeats = await self.bus.serve(self.bus.subjects.heartbeat, self._on_heartbeat)
+
+    async def stop(self) -> None:
+        if self._heartbeats is not None:
+            await self._heartbeats.unsubscribe()
+            self._heartbeats = None
+
+    async def _on_heartbeat(self, msg: Message) -> None:
+        if isinstance(msg, Heartbeat):
+            self.live.record(msg)
+            self.live.forget_silent()
+
+    async def open_stream(self, request_id: str) -> EventStream:
+        stream = _NatsEventStream(self, request_id)
+        # serve() flushes: the server holds the subscription before the submit that triggers publishing.
+        stream.subscription = await self.bus.serve(self.bus.subjects.stream(request_id), stream.on_message)
+        self.num_open_streams += 1
+        return stream
+
+    async def submit(self, request: SubmitRequest) -> SubmitReply:
+        try:
+            return await self.bus.request(self.bus.subjects.submit, request, SubmitReply, self.submit_timeout_s)
+        except BusError as exc:
+            raise BackendUnavailable(str(exc)) from None
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        try:
+            await self.bus.publish(self.bus.subjects.cancel, Cancel(request_id, reason))
+        except Exception as exc:  # the connection may be gone; the instances' own timeouts clean up
+            log.warning("cancel failed", request_id=request_id, error=str(exc))
+
+    def num_alive(self, role: str) -> int:
+        return len(self.live.alive(role))
+
+    def num_waiting(self, role: str) -> int:
+        return sum(beat.num_waiting for beat in self.live.alive(role))

@@ -1,0 +1,168 @@
+"""One request's life on the backend: open its stream, submit, relay its events in `index` order, and always
+clean up (cancel what did not finish, close the stream). HTTP framing is app.py's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from dataclasses import dataclass
+from types import TracebackType
+
+from services.gateway.backend import Backend, BackendUnavailable, EventStream
+from services.gateway.errors import for_status, from_error_type, timed_out, unavailable
+from services.gateway.metrics import RequestTimer
+from shared.log import get_logger
+from shared.protocol import ErrorType, StreamEvent, SubmitRequest
+
+log = get_logger(__name__)
+MAX_BUFFERED_EVENTS = 4096  # out-of-order events held back; more means a publisher is broken
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one in-order event adds to the answer."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+
+
+class Reorderer:
+    """Releases `StreamEvent`s in `index` order; failures pass at once, duplicates of released tokens are dropped.
+
+    At one index a token-less event (trailing text, a bare finish) goes before the tokens that start there.
+    """
+
+    def __init__(self) -> None:
+        self.next_index = 0
+        self._heap: list[tuple[int, bool, int, StreamEvent]] = []
+        self._arrival = itertools.count()
+
+    def push(self, event: StreamEvent) -> list[StreamEvent]:
+        """Raises ApiError (500) when too many events wait for a gap that never fills."""
+        if event.error_type:
+            return [event]
+        if event.token_ids and event.index < self.next_index:
+            log.warning("dropped a duplicate stream event", request_id=event.request_id, index=event.index)
+            return []
+        heapq.heappush(self._heap, (event.index, bool(event.token_ids), next(self._arrival), event))
+        if len(self._heap) > MAX_BUFFERED_EVENTS:
+            raise for_status(500, f"stream events out of order past index {self.next_index}")
+        ready = []
+        while self._heap and self._heap[0][0] <= self.next_index:
+            ready_event = heapq.heappop(self._heap)[3]
+            if ready_event.token_ids and ready_event.index < self.next_index:
+                continue  # a duplicate that arrived while its first copy was still buffered
+            ready.append(ready_event)
+            self.next_index += len(ready_event.token_ids)
+        return ready
+
+
+class Session:
+    """Drives one request through a `Backend`; use as `async with Session(...) as s: await s.next_delta()`.
+
+    Args:
+        backend: the cluster.
+        request: what to submit.
+        timeout_s: the longest silence on the stream before giving up (504).
+        timer: records TTFT, inter-token and end-to-end latency.
+    Raises (on entry):
+        ApiError: rejected (429 + Retry-After), no scheduler or no instance (503), or another reported failure.
+    """
+
+    def __init__(self, backend: Backend, request: SubmitRequest, timeout_s: float, timer: RequestTimer) -> None:
+        self.backend, self.request, self.timeout_s, self.timer = backend, request, timeout_s, timer
+        self.request_id = request.request_id
+        self.reorderer = Reorderer()
+        self.stream: EventStream | None = None
+        self.ready: list[StreamEvent] = []
+        self.is_done = False  # finished normally, or never accepted: nothing to cancel
+        self.cancel_reason: str | None = None  # why we cancel, when the caller knows better than the exception
+        self.num_output_tokens = 0
+        self.num_prompt_tokens = len(request.prompt_ids)
+        self.num_cached_tokens = 0
+
+    async def __aenter__(self) -> Session:
+        self.stream = await self.backend.open_stream(self.request_id)
+        try:
+            await self._submit()
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def _submit(self) -> None:
+        try:
+            reply = await self.backend.submit(self.request)
+        except BackendUnavailable as exc:
+            log.warning("scheduler did not answer", request_id=self.request_id, error=str(exc))
+            raise unavailable("the scheduler is not answering; try again later") from None
+        if not reply.accepted:
+            self.is_done = True
+            log.info("not accepted", request_id=self.request_id, error_type=reply.error_type, reason=reply.reason)
+            error_type = reply.error_type or ErrorType.UNAVAILABLE
+            raise from_error_type(error_type, reply.reason, reply.retry_after_s)
+        log.info("accepted", request_id=self.request_id, prefill=reply.prefill_id, decode=reply.decode_id)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if not self.is_done:
+                reason = self.cancel_reason or _cancel_reason(exc)
+                log.info("cancelling", request_id=self.request_id, reason=reason)
+                await self.backend.cancel(self.request_id, reason)
+        finally:
+            if self.stream is not None:
+                stream, self.stream = self.stream, None
+                await stream.close()
+
+    async def next_delta(self) -> Delta:
+        """The next piece of the answer, in order; the last one has `finish_reason` set.
+
+        Raises:
+            ApiError: a failure event (status by its `ErrorType`), an aborted request (503), or silence (504).
+        """
+        while True:
+            while not self.ready:
+                self.ready = await self._next_in_order()
+            event = self.ready.pop(0)
+            delta = self._apply(event)
+            if delta is not None:
+                return delta
+
+    async def _next_in_order(self) -> list[StreamEvent]:
+        assert self.stream is not None, "use Session inside `async with`"
+        event = await self.stream.next_event(self.timeout_s)
+        if event is None:
+            log.warning("stream went silent", request_id=self.request_id, timeout_s=self.timeout_s)
+            self.cancel_reason = "timeout"
+            raise timed_out(self.timeout_s)
+        return self.reorderer.push(event)
+
+    def _apply(self, event: StreamEvent) -> Delta | None:
+        if event.error_type:
+            log.warning("request failed", request_id=self.request_id, error_type=event.error_type, error=event.error)
+            raise from_error_type(event.error_type, event.error)
+        if event.finish_reason == "abort":
+            raise unavailable("the request was aborted by the server")
+        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        self.num_prompt_tokens = max(self.num_prompt_tokens, event.num_prompt_tokens)
+        self.num_output_tokens += len(event.token_ids)
+        self.timer.tokens(len(event.token_ids))
+        if event.finish_reason:
+            self.is_done = True
+            self.timer.finished(self.num_prompt_tokens, self.num_cached_tokens)
+            log.info("finished", request_id=self.request_id, finish_reason=event.finish_reason,
+                     num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens)
+        if not (event.token_ids or event.text or event.finish_reason):
+            return None
+        return Delta(event.text, len(event.token_ids), event.finish_reason or None)
+
+
+def _cancel_reason(exc: BaseException | None) -> str:
+    if isinstance(exc, asyncio.CancelledError | ConnectionError):
+        return "client disconnected"
+    return "gateway gave up on the request"

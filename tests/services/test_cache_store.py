@@ -1,0 +1,269 @@
+"""The cache-store and its client against a real nats-server: multi-part round trips, misses, prefixes, eviction
+events, two shards, corrupt parts, an absent store, and the real `python -m services.cache_store` process.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import math
+import os
+import random
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from services.cache_store import CacheStoreService, StoredBlock
+from shared.bus import Bus, BusError
+from shared.cache.client import CacheClient
+from shared.config import load_settings
+from shared.kv_wire import checksum
+from shared.protocol import (
+    Ack,
+    BlockGet,
+    BlockHas,
+    BlockHasReply,
+    BlockPart,
+    BlockPut,
+    Heartbeat,
+    KvEvent,
+    Message,
+    Subjects,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Stack:
+    """Stores, clients and listeners under one subject prefix of their own; closed at teardown."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.prefix = f"t{uuid.uuid4().hex[:12]}"
+        self.services: list[CacheStoreService] = []
+        self.buses: list[Bus] = []
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+    async def bus(self) -> Bus:
+        bus = await Bus.connect(self.nats_url, "test", Subjects(self.prefix))
+        self.buses.append(bus)
+        return bus
+
+    async def store(self, shard: int = 0, num_shards: int = 1, dram_mb: int = 64) -> CacheStoreService:
+        settings = load_settings("cache-store", environ={
+            "TSUKIMI_NATS_URL": self.nats_url, "TSUKIMI_SUBJECT_PREFIX": self.prefix,
+            "TSUKIMI_INSTANCE_ID": f"cache-{shard}", "TSUKIMI_HEARTBEAT_S": "0.1", "TSUKIMI_CACHE_SHARD": str(shard),
+            "TSUKIMI_CACHE_SHARDS": str(num_shards), "TSUKIMI_CACHE_DRAM_MB": str(dram_mb),
+        })
+        service = CacheStoreService(settings, await self.bus())
+        await service.start()
+        self.services.append(service)
+        return service
+
+    async def client(self, num_shards: int = 1, timeout_s: float = 2.0) -> CacheClient:
+        return CacheClient(await self.bus(), num_shards, timeout_s=timeout_s)
+
+    async def listen(self, subject: str) -> list[Message]:
+        received: list[Message] = []
+
+        async def on_message(msg: Message) -> None:
+            received.append(msg)
+
+        await (await self.bus()).serve(subject, on_message)
+        return received
+
+    async def close(self) -> None:
+        for service in self.services:
+            await service.stop()
+        for bus in self.buses:
+            await bus.drain()
+
+
+@pytest.fixture
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    stack = Stack(nats_url)
+    yield stack
+    await stack.close()
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def float_block(num_bytes: int, seed: int) -> bytes:
+    """Random bytes for the first third (nothing shrinks them), smooth float32 after (shuffled LZ4 does)."""
+    noise = random.Random(seed).randbytes(num_bytes // 3)
+    floats = array.array("f", (math.sin(i * 0.001) for i in range((num_bytes - len(noise)) // 4))).tobytes()
+    return noise + floats + bytes(num_bytes - len(noise) - len(floats))
+
+
+async def test_multi_part_block_round_trips_and_is_announced(stack: Stack) -> None:
+    service = await stack.store()
+    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    beats = await stack.listen(stack.subjects.heartbeat)
+    client = await stack.client()
+    data = float_block(1_500_000, seed=1)
+
+    assert await client.put_block(0xDEADBEEF, data)
+    parts = service.dram.get(0xDEADBEEF)
+    assert parts is not None and len(parts.parts) == 6  # 1.5 MB in parts of 256 KiB
+    assert len({p.codec for p in parts.parts}) == 2  # noise stays raw, floats compress
+    assert service.dram.num_bytes == len(parts) < len(data)
+    assert await client.get_block(0xDEADBEEF) == data
+    assert await client.has_blocks([0xDEADBEEF, 7]) == [True, False]
+
+    await until(lambda: len(events) == 1)
+    assert events[0] == KvEvent("cache-0", service.heartbeat.epoch, 0, "stored", [0xDEADBEEF])
+    assert await client.put_block(0xDEADBEEF, data)  # a re-put: acknowledged, nothing new
+    assert service.next_seq == 1
+    await until(lambda: any(isinstance(b, Heartbeat) and b.kv_blocks_used == 1 for b in beats))
+    beat = next(b for b in beats if isinstance(b, Heartbeat))
+    assert (beat.role, beat.instance_id, beat.epoch) == ("cache-store", "cache-0", service.heartbeat.epoch)
+
+
+async def test_miss_and_longest_prefix(stack: Stack) -> None:
+    await stack.store()
+    client = await stack.client()
+    assert await client.get_block(12345) is None
+    for h in (10, 11, 12):
+        assert await client.put_block(h, bytes([h]) * 1000)
+    assert await client.longest_prefix([10, 11, 12, 13, 14]) == 3
+    assert await client.longest_prefix([10, 13, 11]) == 1
+    assert await client.longest_prefix([13, 10]) == 0
+    assert await client.longest_prefix([]) == 0
+    assert await client.get_block(11) == bytes([11]) * 1000
+
+
+async def test_eviction_publishes_removed_and_the_block_then_misses(stack: Stack) -> None:
+    service = await stack.store(dram_mb=1)
+    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    client = await stack.client()
+    blocks = {h: random.Random(h).randbytes(400_000) for h in (1, 2, 3)}  # incompressible: 3 x 400 KB > 1 MiB
+    for h, data in blocks.items():
+        assert await client.put_block(h, data)
+
+    await until(lambda: len(events) == 4)
+    assert [(e.seq, e.kind, e.block_hashes) for e in events if isinstance(e, KvEvent)] == [
+        (0, "stored", [1]), (1, "stored", [2]), (2, "removed", [1]), (3, "stored", [3])
+    ]
+    assert await client.get_block(1) is None
+    assert await client.has_blocks([1, 2, 3]) == [False, True, True]
+    assert await client.get_block(3) == blocks[3]
+    assert service.dram.num_bytes <= 1 << 20 and service.dram.stats().evictions == 1
+
+
+async def test_two_shards_split_blocks_by_hash(stack: Stack) -> None:
+    shards = [await stack.store(shard=i, num_shards=2) for i in range(2)]
+    client = await stack.client(num_shards=2)
+    for h in range(8):
+        assert await client.put_block(h, f"block {h}".encode() * 100)
+    for i, service in enumerate(shards):
+        assert sorted(service.dram.hashes()) == [h for h in range(8) if h % 2 == i]
+    assert await client.has_blocks([7, 0, 100, 3]) == [True, True, False, True]
+    assert await client.longest_prefix(list(range(10))) == 8
+    assert [await client.get_block(h) for h in (4, 5)] == [b"block 4" * 100, b"block 5" * 100]
+
+
+async def test_corrupt_parts_are_refused_and_never_served(stack: Stack) -> None:
+    service = await stack.store()
+    bus, client = await stack.bus(), await stack.client()
+    put = bus.subjects.cache_put(0)
+    good = BlockPut(77, 0, 2, "raw", 3, checksum(b"abc"), b"abc")
+    assert (await bus.request(put, good, Ack)).ok
+    with pytest.raises(BusError, match="checksum mismatch"):
+        await bus.request(put, BlockPut(77, 1, 2, "raw", 3, checksum(b"abc"), b"abX"), Ack)
+    assert (await bus.request(put, BlockPut(77, 1, 2, "raw", 3, checksum(b"def"), b"def"), Ack)).ok
+    assert await client.has_blocks([77]) == [False]  # part 0 went with the corrupt part 1
+    assert await client.get_block(77) is None
+    with pytest.raises(BusError, match="outside"):
+        await bus.request(put, BlockPut(78, 2, 2, "raw", 3, checksum(b"abc"), b"abc"), Ack)
+
+    # A block damaged inside the store is refused by the client's own check.
+    assert await client.put_block(79, b"x" * 1000)
+    bad = StoredBlock((BlockPut(79, 0, 1, "raw", 4, checksum(b"good"), b"evil"),))
+    service.dram.put(79, bad)
+    assert await client.get_block(79) is None
+
+
+async def test_absent_store_is_a_fast_miss(stack: Stack) -> None:
+    client = await stack.client(num_shards=2, timeout_s=0.3)
+    start = asyncio.get_running_loop().time()
+    assert not await client.put_block(1, b"data" * 100_000)
+    assert await client.get_block(1) is None
+    assert await client.has_blocks([1, 2]) == [False, False]
+    assert await client.longest_prefix([1, 2]) == 0
+    assert asyncio.get_running_loop().time() - start < 2.0
+
+
+async def test_service_process_answers_and_exits_cleanly_on_sigterm(stack: Stack) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
+    env.update(TSUKIMI_NATS_URL=stack.nats_url, TSUKIMI_SUBJECT_PREFIX=stack.prefix, TSUKIMI_INSTANCE_ID="proc")
+    events = await stack.listen(stack.subjects.kv_events("proc"))
+    bus = await stack.bus()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cache_store", cwd=REPO, env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        reply = await asyncio.wait_for(_ask_until_answered(bus), timeout=10)
+        assert reply.present == [False]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=10)
+        assert proc.returncode == 0, stderr.decode()[-2000:]
+        await until(lambda: [e.kind for e in events if isinstance(e, KvEvent)] == ["cleared"])
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _ask_until_answered(bus: Bus) -> BlockHasReply:
+    while True:
+        try:
+            return await bus.request(bus.subjects.cache_has(0), BlockHas([5]), BlockHasReply, timeout_s=0.5)
+        except BusError:
+            await asyncio.sleep(0.1)
+
+
+class FakeBus:
+    """Just enough of `Bus` for calling the handlers directly: subjects and a publish that records."""
+
+    def __init__(self) -> None:
+        self.subjects = Subjects("fake")
+        self.published: list[tuple[str, Message]] = []
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        self.published.append((subject, msg))
+
+
+async def test_handlers_without_nats_expire_unfinished_puts_and_refuse_oversize_blocks() -> None:
+    now = [0.0]
+    settings = load_settings("cache-store", environ={"TSUKIMI_CACHE_DRAM_MB": "1", "TSUKIMI_INSTANCE_ID": "c"})
+    bus = FakeBus()
+    service = CacheStoreService(settings, bus, clock=lambda: now[0])  # type: ignore[arg-type]
+    part0, part1 = (BlockPut(5, i, 2, "raw", 2, checksum(b"ab"), b"ab") for i in range(2))
+    assert (await service.handle_put(part0)).ok
+    now[0] = 31.0  # past PENDING_TIMEOUT_S: part 0 is forgotten, part 1 starts a new put
+    assert (await service.handle_put(part1)).ok
+    assert service.pending[5].parts.keys() == {1}
+    assert (await service.handle_has(BlockHas([5]))).present == [False]
+    assert (await service.handle_put(part0)).ok  # now both are in: committed
+    assert (await service.handle_get(BlockGet(5, 1))) == BlockPart(5, True, 1, 2, "raw", 2, checksum(b"ab"), b"ab")
+    assert not (await service.handle_get(BlockGet(5, 2))).found
+
+    big = bytes((1 << 20) + 1)
+    ack = await service.handle_put(BlockPut(6, 0, 1, "raw", len(big), checksum(big), big))
+    assert not ack.ok and "exceeds the capacity" in ack.error
+    assert [(s, m.kind, m.seq) for s, m in bus.published if isinstance(m, KvEvent)] == [
+        ("fake.kv.events.c", "stored", 0)
+    ]
