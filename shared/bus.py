@@ -37,9 +37,10 @@ class Bus:
         subjects: the subject names under this deployment's prefix.
     """
 
-    def __init__(self, client: Client, subjects: Subjects) -> None:
+    def __init__(self, client: Client, subjects: Subjects, events: _ConnectionEvents | None = None) -> None:
         self.client = client
         self.subjects = subjects
+        self._events = events or _ConnectionEvents()
 
     @classmethod
     async def connect(cls, url: str, name: str, subjects: Subjects, connect_timeout_s: float = 10.0) -> Bus:
@@ -48,26 +49,17 @@ class Bus:
         Raises:
             BusError: no server answered within `connect_timeout_s`.
         """
-
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats error", error=str(exc))
-
-        async def on_disconnect() -> None:
-            log.warning("nats disconnected")
-
-        async def on_reconnect() -> None:
-            log.info("nats reconnected")
-
+        events = _ConnectionEvents()
         servers = [s.strip() for s in url.split(",") if s.strip()]
         deadline = asyncio.get_running_loop().time() + connect_timeout_s
         while True:
             try:
                 client = await nats.connect(
                     servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
-                    allow_reconnect=True, error_cb=on_error, disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect,
+                    allow_reconnect=True, error_cb=events.on_error, disconnected_cb=events.on_disconnect,
+                    reconnected_cb=events.on_reconnect,
                 )
-                return cls(client, subjects)
+                return cls(client, subjects, events)
             except Exception as exc:  # nats raises several unrelated types while the server starts
                 if asyncio.get_running_loop().time() > deadline:
                     raise BusError(f"cannot connect to NATS at {url}: {exc}") from None
@@ -129,11 +121,29 @@ class Bus:
 
     async def drain(self) -> None:
         """Finish pending handlers, flush, and close."""
+        self._events.draining = True
         if not self.client.is_closed:
             try:
                 await self.client.drain()
             except Exception as exc:  # a dead server must not block shutdown
                 log.warning("drain failed", error=str(exc))
+
+
+class _ConnectionEvents:
+    """Logs what happens to the connection; quiet about the disconnect that `drain` causes on purpose."""
+
+    def __init__(self) -> None:
+        self.draining = False
+
+    async def on_error(self, exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def on_disconnect(self) -> None:
+        if not self.draining:
+            log.warning("nats disconnected")
+
+    async def on_reconnect(self) -> None:
+        log.info("nats reconnected")
 
 
 class Service(Protocol):
