@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 up: $(VENV)/.installed
-	$(BIN)/tsukimi chat
+	$(BIN)/tsukimi up
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

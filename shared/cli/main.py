@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import bench_engine, chat, generate
+from shared.cli import bench_engine, chat, compose, generate, up
 from shared.cli.common import CliError
 
 DESCRIPTION = """\
@@ -15,6 +15,8 @@ Commands:
   generate   complete one prompt with the local engine and print it (or --json)
   chat       talk to the model in the terminal
   bench      measure the engine against Hugging Face transformers on this machine
+  up         run the whole system locally: nats-server plus every service, OpenAI-compatible API
+  compose    print docker-compose.yml for the same topology
 """
 
 
@@ -26,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(commands)
     chat.register(commands)
     bench_engine.register(commands)
+    up.register(commands)
+    compose.register(commands)
     return parser
 
 

@@ -1,0 +1,278 @@
+"""`tsukimi up`: the whole system as local processes (an embedded nats-server plus every service of
+`shared.topology`) under `shared.supervisor`, until Ctrl-C or SIGTERM. It owns the checks before start and the waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.cli.common import CliError, positive_int
+from shared.config import ConfigError, Settings, load_settings
+from shared.nats_server import NatsServerError, find_nats_server, free_port, wait_for_port
+from shared.supervisor import Supervisor
+from shared.topology import SERVICES, Topology, TopologyError, module_file, nats_process_spec
+
+DESCRIPTION = """\
+Run tsukimi on this machine: an embedded nats-server (unless --nats-url is given), then the gateway, the scheduler,
+N prefill, N decode and N cache-store shards, each a `python -m services.<name>` process. When the gateway's
+GET /health answers 200 it prints the API's URL. Ctrl-C (or SIGTERM) stops everything within 10 s.
+
+Each process writes its output to DIR/<instance>.log (--log-dir; default: a new temporary folder, printed at start);
+the terminal shows only what needs attention. A process that exits is restarted after 0.5 s, doubling up to 10 s
+(reset once it has stayed up for 30 s).
+
+Every process gets TSUKIMI_NATS_URL, TSUKIMI_CACHE_SHARDS and its own TSUKIMI_INSTANCE_ID (gateway-0, prefill-1,
+...); the gateway gets TSUKIMI_HOST and TSUKIMI_PORT, cache-store i gets TSUKIMI_CACHE_SHARD=i, prefill and decode
+share the CPU cores (TSUKIMI_NUM_THREADS) unless it is set; with several shards a TSUKIMI_CACHE_SSD_DIR becomes one
+shard-<i> folder each. Every other TSUKIMI_* variable of this shell is passed through (an unknown one is an error).
+The same topology in containers: `tsukimi compose`.
+
+Exit status: 0 after Ctrl-C or SIGTERM, 1 when the system did not come up in time, 2 for a bad argument or setting.
+"""
+STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
+STOP_NATS_S = 1.5
+NATS_START_S = 10.0
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "up", help="run the whole system locally (OpenAI-compatible API)", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--prefill", type=positive_int, default=1, metavar="N", help="prefill instances (default: 1)")
+    parser.add_argument("--decode", type=positive_int, default=1, metavar="N", help="decode instances (default: 1)")
+    parser.add_argument(
+        "--cache-stores", type=positive_int, default=1, metavar="N", help="cache-store shards (default: 1)"
+    )
+    parser.add_argument("--host", help="gateway listen address (default: $TSUKIMI_HOST or 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="gateway port (default: $TSUKIMI_PORT or 8000)")
+    parser.add_argument(
+        "--model", metavar="PATH", help="a GGUF file or safetensors folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--nats-url", metavar="URL", help="use this NATS server instead of starting one")
+    parser.add_argument(
+        "--log-dir", metavar="DIR", type=Path, help="where each process's log goes (default: a new temp dir)"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=180.0, metavar="S",
+        help="give up (exit 1) when /health is not 200 after this many seconds (default: 180)",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.startup_timeout <= 0:
+        raise CliError(f"--startup-timeout must be positive, got {args.startup_timeout}")
+    settings = _environment_settings()
+    topology = _topology(args, settings)
+    _check_port_free(topology.host, topology.port)
+    _check_modules()
+    nats_binary = None if args.nats_url else _nats_binary()
+    log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-"))).resolve()
+    infra_specs, nats_port = [], None
+    if nats_binary is not None:
+        nats_port = free_port()
+        topology = dataclasses.replace(topology, nats_url=f"nats://127.0.0.1:{nats_port}")
+        infra_specs.append(nats_process_spec(nats_binary, nats_port, log_dir / "nats-store"))
+    counts = ", ".join(f"{topology.count(s)} {s.name}" for s in SERVICES)
+    _say(f"starting {counts} on NATS {topology.nats_url}; logs in {log_dir}")
+    with _stop_on_signals() as stop:
+        session = _Session(
+            topology, settings.model_name, args.startup_timeout, stop,
+            infra=Supervisor(infra_specs, log_dir, say=_say),
+            services=Supervisor(topology.process_specs(), log_dir, say=_say), nats_port=nats_port,
+        )
+        try:
+            return session.serve()
+        finally:
+            _say("stopping")
+            session.services.stop(STOP_SERVICES_S)
+            session.infra.stop(STOP_NATS_S)
+            _say("stopped")
+
+
+@dataclass
+class _Session:
+    """One `tsukimi up` run: NATS (`infra`, stopped last) and the services, polled from the main thread."""
+
+    topology: Topology
+    model_name: str
+    startup_timeout_s: float
+    stop: threading.Event
+    infra: Supervisor
+    services: Supervisor
+    nats_port: int | None  # the embedded server's, else None
+
+    def serve(self) -> int:
+        """Start NATS, then the services; wait for health, announce, keep them running until `stop` is set.
+
+        Returns 0 after a stop signal, 1 when NATS or the gateway did not come up in time.
+        """
+        try:
+            self.infra.start()
+            if self.nats_port is not None and not self.wait_for(self.nats_listens, NATS_START_S):
+                return self.gave_up(f"nats-server did not listen on port {self.nats_port} within {NATS_START_S:.0f} s")
+            self.services.start()
+        except OSError as exc:
+            return self.gave_up(f"cannot start a process: {exc}")
+        base_url = f"http://{_connect_host(self.topology.host)}:{self.topology.port}"
+        health = _HealthProbe(f"{base_url}/health")
+        if not self.wait_for(health.is_ok, self.startup_timeout_s):
+            return self.gave_up(f"GET {health.url} -> {health.status} after {self.startup_timeout_s:.0f} s")
+        _announce(base_url, self.model_name, self.services.log_dir)
+        while not self.stop.wait(0.2):
+            self.poll()
+        return 0
+
+    def nats_listens(self) -> bool:
+        return self.nats_port is not None and wait_for_port("127.0.0.1", self.nats_port, 0.2)
+
+    def poll(self) -> None:
+        self.infra.poll()
+        self.services.poll()
+
+    def wait_for(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Poll the children and `ready()` until it is true (True), or a stop or the timeout (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            self.poll()
+            if ready():
+                return True
+            self.stop.wait(0.25)
+        return False
+
+    def gave_up(self, reason: str) -> int:
+        if self.stop.is_set():
+            return 0
+        _say(f"gave up: {reason}; the logs are in {self.services.log_dir}")
+        return 1
+
+
+class _HealthProbe:
+    """GET a URL (never through a proxy); remembers the last answer and says every 10 s that it is still waiting."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.status = "no answer yet"
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._started = time.monotonic()
+        self._next_note = self._started + 10.0
+
+    def is_ok(self) -> bool:
+        try:
+            with self._opener.open(self.url, timeout=1.0) as response:
+                self.status = str(response.status)
+        except urllib.error.HTTPError as exc:
+            self.status = str(exc.code)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "reason", exc)
+            self.status = getattr(reason, "strerror", None) or str(reason)
+        if self.status == "200":
+            return True
+        if time.monotonic() >= self._next_note:
+            self._next_note += 10.0
+            _say(f"still starting ({time.monotonic() - self._started:.0f} s): GET {self.url} -> {self.status}")
+        return False
+
+
+def _announce(base_url: str, model_name: str, log_dir: Path) -> None:
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Say hello."}]})
+    print(f"tsukimi is up: {base_url}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
+    print(f"  try: curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}")
+    print(f"  logs: {log_dir}", flush=True)
+
+
+def _environment_settings() -> Settings:
+    """This shell's TSUKIMI_* variables, checked now: every child would fail on a bad one."""
+    try:
+        return load_settings("up")
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _topology(args: argparse.Namespace, settings: Settings) -> Topology:
+    model = None
+    if args.model:
+        path = Path(args.model).expanduser()
+        if not path.exists():
+            raise CliError(f"no model at {args.model}")
+        model = str(path.resolve())
+    num_engines = args.prefill + args.decode
+    threads = 0 if settings.engine.num_threads else max(1, (os.cpu_count() or 1) // num_engines)
+    try:
+        return Topology(
+            prefill=args.prefill, decode=args.decode, cache_stores=args.cache_stores,
+            host=args.host or settings.host, port=settings.port if args.port is None else args.port,
+            nats_url=args.nats_url or settings.nats_url, model=model, cache_ssd_dir=settings.cache_ssd_dir,
+            engine_threads=threads,
+        )
+    except TopologyError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail now, with a clear message, rather than in a gateway restarting forever."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise CliError(f"cannot listen on {host}:{port}: {reason} (another tsukimi up? try --port)") from None
+
+
+def _check_modules() -> None:
+    missing = [s.module for s in SERVICES if module_file(s.module) is None]
+    if missing:
+        raise CliError(f"cannot run {', '.join(missing)}: no such module (is tsukimi fully installed?)")
+
+
+def _nats_binary() -> str:
+    try:
+        return str(find_nats_server())
+    except NatsServerError as exc:
+        raise CliError(f"{exc}, or pass --nats-url") from None
+
+
+def _connect_host(host: str) -> str:
+    """Where to reach a server listening on `host` from this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """SIGINT, SIGTERM and SIGHUP set the event (the loop stops children in order) instead of raising."""
+    stop = threading.Event()
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    previous = {sig: signal.signal(sig, lambda _signum, _frame: stop.set()) for sig in signals}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)

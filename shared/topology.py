@@ -1,0 +1,227 @@
+"""The deployment topology, defined once: which services run, how many of each, and each one's TSUKIMI_* settings.
+
+`Topology.process_specs()` is what `tsukimi up` runs; `compose_document()` is the dict that `tsukimi compose` writes
+as YAML. Nothing here starts a process or writes a file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from shared.supervisor import ProcessSpec
+
+
+class TopologyError(ValueError):
+    """A topology that cannot run (a count below 1); the message says which."""
+
+
+class Scaling(Enum):
+    """How a service may be multiplied."""
+
+    SINGLE = "single"  # exactly one instance
+    REPLICAS = "replicas"  # N interchangeable instances (compose: deploy.replicas, `--scale`)
+    SHARDS = "shards"  # N instances, each with its own index and storage (compose: one service per shard)
+
+
+@dataclass(frozen=True)
+class ServiceDef:
+    """One service of DESIGN.md section 1.
+
+    Attributes:
+        name: the role, the compose service name and the prefix of instance ids.
+        module: run as `python -m <module>`.
+        scaling: how it may be multiplied.
+        uses_engine: it runs the model (gets a share of the CPU threads under `tsukimi up`).
+        health_path: an HTTP path that answers 200 when the whole system can serve (the gateway's).
+    """
+
+    name: str
+    module: str
+    scaling: Scaling
+    uses_engine: bool = False
+    health_path: str | None = None
+
+
+# The gateway is SINGLE here because it owns the published port; behind a load balancer it could be replicated.
+SERVICES: tuple[ServiceDef, ...] = (
+    ServiceDef("gateway", "services.gateway", Scaling.SINGLE, health_path="/health"),
+    ServiceDef("scheduler", "services.scheduler", Scaling.SINGLE),
+    ServiceDef("prefill", "services.prefill", Scaling.REPLICAS, uses_engine=True),
+    ServiceDef("decode", "services.decode", Scaling.REPLICAS, uses_engine=True),
+    ServiceDef("cache-store", "services.cache_store", Scaling.SHARDS),
+)
+SERVICES_BY_NAME = {s.name: s for s in SERVICES}
+
+NATS_IMAGE = "nats:2.10-alpine"
+NATS_CLIENT_PORT = 4222
+NATS_MONITOR_PORT = 8222
+IMAGE = "tsukimi:latest"
+SSD_DIR_IN_CONTAINER = "/var/lib/tsukimi/ssd"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How many of each service, and the settings that differ between a local run and a compose deployment.
+
+    Attributes:
+        prefill, decode: instances of each.
+        cache_stores: cache-store shards (every service is told the count: blocks go to hash % shards).
+        host, port: where the gateway listens.
+        nats_url: the NATS server every service connects to.
+        model: TSUKIMI_MODEL for every service (None: the default model).
+        cache_ssd_dir: the cache-store SSD tier folder; with several shards each gets `shard-<i>` inside it.
+        engine_threads: TSUKIMI_NUM_THREADS of each prefill and decode instance (0: not set).
+    """
+
+    prefill: int = 1
+    decode: int = 1
+    cache_stores: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = "nats://127.0.0.1:4222"
+    model: str | None = None
+    cache_ssd_dir: str | None = None
+    engine_threads: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "cache_stores"):
+            if getattr(self, name) < 1:
+                raise TopologyError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise TopologyError(f"port must be in 1..65535, got {self.port}")
+
+    def count(self, service: ServiceDef) -> int:
+        """How many instances of `service` this topology runs."""
+        if service.scaling is Scaling.SINGLE:
+            return 1
+        return {"prefill": self.prefill, "decode": self.decode, "cache-store": self.cache_stores}[service.name]
+
+    def service_env(self, service: ServiceDef) -> dict[str, str]:
+        """The TSUKIMI_* settings every instance of `service` gets (no instance id, no shard index)."""
+        env = {"TSUKIMI_NATS_URL": self.nats_url, "TSUKIMI_CACHE_SHARDS": str(self.cache_stores)}
+        if self.model:
+            env["TSUKIMI_MODEL"] = self.model
+        if service.health_path:
+            env |= {"TSUKIMI_HOST": self.host, "TSUKIMI_PORT": str(self.port)}
+        if service.uses_engine and self.engine_threads > 0:
+            env["TSUKIMI_NUM_THREADS"] = str(self.engine_threads)
+        return env
+
+    def shard_env(self, index: int, split_ssd_dir: bool) -> dict[str, str]:
+        """A cache-store shard's own settings: its index and, when there is an SSD tier, its folder."""
+        env = {"TSUKIMI_CACHE_SHARD": str(index)}
+        if self.cache_ssd_dir:
+            own_dir = Path(self.cache_ssd_dir) / f"shard-{index}"
+            split = split_ssd_dir and self.cache_stores > 1
+            env["TSUKIMI_CACHE_SSD_DIR"] = str(own_dir) if split else self.cache_ssd_dir
+        return env
+
+    def process_specs(self, python: str = sys.executable) -> list[ProcessSpec]:
+        """One spec per instance, for `tsukimi up`: instance ids `<service>-<i>`, shards numbered 0..N-1."""
+        specs = []
+        for service in SERVICES:
+            for index in range(self.count(service)):
+                instance_id = f"{service.name}-{index}"
+                env = self.service_env(service) | {"TSUKIMI_INSTANCE_ID": instance_id}
+                if service.scaling is Scaling.SHARDS:
+                    env |= self.shard_env(index, split_ssd_dir=True)
+                specs.append(ProcessSpec(instance_id, (python, "-m", service.module), env))
+        return specs
+
+
+def module_file(module: str) -> Path | None:
+    """The file that `python -m <module>` runs (`pkg/x.py` or `pkg/x/__main__.py`), or None when there is none.
+
+    Only the parent package is imported (services/__init__.py), never the module itself.
+    """
+    package, _, leaf = module.rpartition(".")
+    spec = importlib.util.find_spec(package) if package else None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        for candidate in (Path(location) / f"{leaf}.py", Path(location) / leaf / "__main__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def nats_process_spec(binary: str, port: int, store_dir: Path) -> ProcessSpec:
+    """The local nats-server for `tsukimi up`: loopback only, JetStream on as in the compose file."""
+    argv = (binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir))
+    return ProcessSpec("nats", argv)
+
+
+def compose_topology(prefill: int = 1, decode: int = 1, cache_stores: int = 1) -> Topology:
+    """The topology as containers see it: NATS at the `nats` service, the gateway on every interface."""
+    return Topology(
+        prefill=prefill, decode=decode, cache_stores=cache_stores, host="0.0.0.0", port=8000,
+        nats_url=f"nats://nats:{NATS_CLIENT_PORT}", cache_ssd_dir=SSD_DIR_IN_CONTAINER,
+    )
+
+
+def compose_document(topology: Topology) -> dict[str, Any]:
+    """The docker-compose document (plain dicts, lists, strings and ints) for `topology`.
+
+    Instance ids are left unset, so each container uses the default `<role>-<hostname>-<pid>` (unique per container).
+    """
+    services: dict[str, Any] = {"nats": _compose_nats()}
+    volumes: dict[str, Any] = {"nats-data": {}}
+    for service in SERVICES:
+        env = topology.service_env(service)
+        if service.scaling is Scaling.SHARDS:
+            for index in range(topology.count(service)):
+                name = f"{service.name}-{index}"
+                extra: dict[str, Any] = {}
+                if topology.cache_ssd_dir:
+                    extra["volumes"] = [f"{name}-ssd:{topology.cache_ssd_dir}"]
+                    volumes[f"{name}-ssd"] = {}
+                services[name] = _compose_service(service, env | topology.shard_env(index, split_ssd_dir=False), extra)
+            continue
+        extra = {}
+        if service.health_path:
+            extra["ports"] = [f"{topology.port}:{topology.port}"]
+            extra["healthcheck"] = _http_healthcheck(topology.port, service.health_path)
+        if service.scaling is Scaling.REPLICAS:
+            extra["deploy"] = {"replicas": topology.count(service)}
+        services[service.name] = _compose_service(service, env, extra)
+    return {"services": services, "volumes": volumes}
+
+
+_COMPOSE_KEYS = ("build", "image", "command", "environment", "ports", "volumes", "deploy", "depends_on", "healthcheck",
+                 "restart")
+
+
+def _compose_service(service: ServiceDef, env: dict[str, str], extra: dict[str, Any]) -> dict[str, Any]:
+    entry = extra | {
+        "build": ".",
+        "image": IMAGE,
+        "command": ["python", "-m", service.module],
+        "environment": dict(sorted(env.items())),
+        "depends_on": {"nats": {"condition": "service_healthy"}},
+        "restart": "unless-stopped",
+    }
+    return {key: entry[key] for key in _COMPOSE_KEYS if key in entry}
+
+
+def _compose_nats() -> dict[str, Any]:
+    # The alpine image, not the scratch one: the healthcheck needs a shell tool (busybox wget).
+    return {
+        "image": NATS_IMAGE,
+        "command": ["-js", "-sd", "/data", "-m", str(NATS_MONITOR_PORT)],
+        "volumes": ["nats-data:/data"],
+        "healthcheck": {
+            "test": ["CMD", "wget", "-qO-", f"http://localhost:{NATS_MONITOR_PORT}/healthz"],
+            "interval": "2s", "timeout": "2s", "retries": 15,
+        },
+        "restart": "unless-stopped",
+    }
+
+
+def _http_healthcheck(port: int, path: str) -> dict[str, Any]:
+    probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=3)"
+    # start_period: loading the model takes a while on CPU; failures then do not count.
+    return {"test": ["CMD", "python", "-c", probe], "interval": "5s", "timeout": "5s", "retries": 3,
+            "start_period": "180s"}
