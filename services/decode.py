@@ -7,6 +7,7 @@ It never computes prompts (that is services.prefill) and trusts no KV that did n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -16,6 +17,7 @@ from services.engine_host import EngineHost
 from shared.bus import Bus, run_service
 from shared.config import Settings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
+from shared.engine.sampling import SamplingParams
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import KvReceiver, KvTransferError
 from shared.log import get_logger
@@ -120,7 +122,7 @@ class DecodeService:
             kv = await asyncio.to_thread(
                 assembly.assemble, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.engine.runner.pool.tensor.dtype
             )
-            params = task.sampling.to_params()
+            params = _continuation_params(task.sampling.to_params())
         except (KvTransferError, ValueError) as exc:
             await self._fail(request_id, str(exc))
             return
@@ -195,6 +197,14 @@ class DecodeService:
         log.warning("KV transfer failed", request_id=request_id, error=error)
         event = StreamEvent(request_id, -1, [], "", error_type=ErrorType.KV_TRANSFER, error=error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)
+
+
+def _continuation_params(params: SamplingParams) -> SamplingParams:
+    """Prefill drew the first token from a generator seeded with `seed`; a fresh generator with the same seed here
+    would repeat that draw for the second token, so the continuation gets its own stream, derived from the seed."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed * 0x9E3779B1 + 1) % (1 << 63))
 
 
 async def build(settings: Settings, bus: Bus) -> DecodeService:

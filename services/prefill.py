@@ -7,6 +7,7 @@ It owns a prompt-only engine (every request leaves it after its first token); de
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -197,16 +198,23 @@ class PrefillService:
     def _send_layer(self, held: _Held, layer_idx: int, kv: torch.Tensor, done: asyncio.Future[None]) -> None:
         async def send() -> None:
             per_layer = held.num_chunks // self.engine.model_config.num_layers
-            chunks = await self.host.loop.run_in_executor(
-                self._encoder, chunk_layer_kv, held.task.request_id, layer_idx, kv, layer_idx * per_layer,
-                held.num_chunks, self._chunk_bytes,
+            encode = functools.partial(
+                chunk_layer_kv, held.task.request_id, layer_idx, kv, layer_idx * per_layer, held.num_chunks,
+                self._chunk_bytes, compress_payload=self.settings.kv_compress,
             )
+            chunks = await self.host.loop.run_in_executor(self._encoder, encode)
             subject = self.bus.subjects.decode_kv(held.task.decode_id)
             for chunk in chunks:
                 await self.bus.publish(subject, chunk)
 
-        task = asyncio.ensure_future(send())
-        task.add_done_callback(lambda t: done.set_exception(t.exception()) if t.exception() else done.set_result(None))
+        def settle(task: asyncio.Future[None]) -> None:
+            error = task.exception()
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        asyncio.ensure_future(send()).add_done_callback(settle)
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 

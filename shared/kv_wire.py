@@ -1,0 +1,400 @@
+"""How a request's prompt KV travels prefill -> decode: split into `KvChunk`s, compressed, verified and reassembled.
+
+Owns the payload codecs (byte-shuffle + LZ4), chunking, and the receiving side's checks and stall deadline. It does not
+send anything (services do, on `Subjects.decode_kv`) and it does not know the KV pool's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lz4.frame
+import numpy as np
+import torch
+import xxhash
+
+from shared.protocol import KvChunk
+
+
+class KvTransferError(Exception):
+    """A chunk is corrupt or inconsistent, or chunks are missing; the message says which."""
+
+
+CODEC_RAW = "raw"
+CODEC_LZ4_SHUFFLE = "lz4-shuffle"
+DTYPE_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}
+_INT_OF_SIZE = {4: torch.int32, 2: torch.int16}  # same-size stand-ins numpy understands (it has no bf16)
+_MIN_SAVING = 0.05  # compress only when it saves at least this fraction of the bytes
+_CLOSED_MEMORY = 10.0  # a closed request's late chunks are ignored for this many deadlines
+
+
+# ---- payload codec ------------------------------------------------------------------------------------------
+
+
+def checksum(data: bytes) -> int:
+    """xxh3-64 of `data` (what `KvChunk.checksum` holds, over the compressed bytes)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def compress(raw: bytes, itemsize: int) -> tuple[str, bytes]:
+    """Byte-shuffle then LZ4 `raw`, if that pays.
+
+    Shuffling puts the i-th byte of every element together, so the sign/exponent bytes of floats form long, repetitive
+    runs that LZ4 can shorten; the mantissa bytes stay near-random (LZ4 frames store such blocks uncompressed).
+
+    Args:
+        raw: the elements' bytes, a whole number of elements.
+        itemsize: bytes per element (4 for fp32, 2 for bf16/fp16).
+    Returns:
+        (CODEC_LZ4_SHUFFLE, compressed) when it saves at least 5% of the bytes, else (CODEC_RAW, raw).
+    Raises:
+        ValueError: `len(raw)` is not a multiple of `itemsize`.
+    """
+    if itemsize < 1 or len(raw) % itemsize:
+        raise ValueError(f"{len(raw)} bytes are not a whole number of {itemsize}-byte elements")
+    if not raw:
+        return CODEC_RAW, raw
+    packed = lz4.frame.compress(_shuffle(raw, itemsize), store_size=True)
+    if len(packed) <= (1.0 - _MIN_SAVING) * len(raw):
+        return CODEC_LZ4_SHUFFLE, packed
+    return CODEC_RAW, raw
+
+
+def decompress(codec: str, data: bytes, raw_size: int, itemsize: int) -> bytes:
+    """The raw bytes of a payload made by `compress`.
+
+    Args:
+        codec, data, raw_size: as the chunk carries them.
+        itemsize: bytes per element of the chunk's dtype.
+    Raises:
+        KvTransferError: an unknown codec, undecodable LZ4, or a result that is not `raw_size` bytes.
+    """
+    if itemsize < 1 or raw_size % itemsize:
+        raise KvTransferError(f"a raw size of {raw_size} bytes is not a whole number of {itemsize}-byte elements")
+    if codec == CODEC_RAW:
+        raw = data
+    elif codec == CODEC_LZ4_SHUFFLE:
+        try:
+            raw = lz4.frame.decompress(data)
+        except (RuntimeError, ValueError, MemoryError) as exc:  # python-lz4 reports frame errors as RuntimeError
+            raise KvTransferError(f"LZ4 payload does not decode: {exc}") from None
+    else:
+        raise KvTransferError(f"unknown KV codec {codec!r}")
+    if len(raw) != raw_size:
+        raise KvTransferError(f"payload is {len(raw)} bytes after decoding, expected {raw_size}")
+    return _unshuffle(raw, itemsize) if codec == CODEC_LZ4_SHUFFLE else raw
+
+
+def _shuffle(raw: bytes, itemsize: int) -> bytes:
+    return np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes()  # [itemsize, num_elements]
+
+
+def _unshuffle(shuffled: bytes, itemsize: int) -> bytes:
+    planes = np.frombuffer(shuffled, np.uint8).reshape(itemsize, -1)  # [itemsize, num_elements]
+    out = np.empty((planes.shape[1], itemsize), np.uint8)
+    for i in range(itemsize):  # a plane at a time: several times faster than numpy's copy of planes.T
+        out[:, i] = planes[i]
+    return out.tobytes()
+
+
+# ---- sending side -------------------------------------------------------------------------------------------
+
+
+def num_kv_chunks(num_layers: int, num_tokens: int, bytes_per_layer_token: int, max_chunk_bytes: int) -> int:
+    """How many chunks `chunk_layer_kv`, called once per layer, makes for a whole prompt (`KvChunk.total`).
+
+    Args:
+        bytes_per_layer_token: 2 * num_kv_heads * head_dim * itemsize.
+    Raises:
+        ValueError: a negative count or a non-positive size.
+    """
+    if num_layers < 0 or num_tokens < 0 or bytes_per_layer_token < 1 or max_chunk_bytes < 1:
+        raise ValueError("counts must be >= 0 and sizes >= 1")
+    return num_layers * -(-num_tokens // _tokens_per_chunk(bytes_per_layer_token, max_chunk_bytes))
+
+
+def _tokens_per_chunk(bytes_per_layer_token: int, max_chunk_bytes: int) -> int:
+    return max(1, max_chunk_bytes // bytes_per_layer_token)
+
+
+def chunk_layer_kv(
+    request_id: str, layer_idx: int, kv: torch.Tensor, first_seq: int, total: int, max_chunk_bytes: int,
+    *, compress_payload: bool = True,
+) -> list[KvChunk]:
+    """One layer's KV as chunks split along tokens, each raw payload at most `max_chunk_bytes` (or one token).
+
+    Args:
+        kv: [2, num_kv_heads, num_tokens, head_dim] (K then V) in a dtype of `DTYPE_NAMES`; moved to CPU if needed.
+        first_seq: the seq of the first chunk; the others follow (first_seq + 1, ...).
+        total: the request's chunk count over all layers (see `num_kv_chunks`).
+        compress_payload: False sends every payload raw (a baseline for benchmarks).
+    Raises:
+        ValueError: a tensor of another shape or dtype, or a non-positive `max_chunk_bytes`.
+    """
+    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] < 1 or kv.shape[3] < 1:
+        raise ValueError(f"kv must be [2, num_kv_heads, num_tokens, head_dim], got {list(kv.shape)}")
+    if kv.dtype not in _WIRE_NAMES:
+        raise ValueError(f"kv dtype {kv.dtype} has no wire name (one of {sorted(DTYPE_NAMES)})")
+    if max_chunk_bytes < 1:
+        raise ValueError("max_chunk_bytes must be >= 1")
+    kv = kv.detach().cpu()
+    _, num_kv_heads, num_tokens, head_dim = kv.shape
+    itemsize = kv.element_size()
+    step = _tokens_per_chunk(2 * num_kv_heads * head_dim * itemsize, max_chunk_bytes)
+    chunks = []
+    for i, t0 in enumerate(range(0, num_tokens, step)):
+        t1 = min(t0 + step, num_tokens)
+        raw = _tensor_bytes(kv[:, :, t0:t1, :])  # [2, num_kv_heads, t1 - t0, head_dim]
+        codec, data = compress(raw, itemsize) if compress_payload else (CODEC_RAW, raw)
+        chunks.append(KvChunk(
+            request_id=request_id, seq=first_seq + i, total=total, layer_start=layer_idx, layer_end=layer_idx + 1,
+            token_start=t0, token_end=t1, dtype=_WIRE_NAMES[kv.dtype], codec=codec, raw_size=len(raw),
+            checksum=checksum(data), data=data,
+        ))
+    return chunks
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    # numpy does the strided copy: single-threaded, so it never waits on a busy intra-op thread pool
+    return t.view(_INT_OF_SIZE[t.element_size()]).numpy().tobytes()
+
+
+# ---- receiving side -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A verified chunk, decompressed; `header` (the chunk without its data) tells a true duplicate from a conflict."""
+
+    header: KvChunk
+    raw: bytes
+
+
+class KvAssembly:
+    """Chunks of one request as they arrive; verifies each; builds the KV tensor once all `total` are in.
+
+    Args:
+        request_id: the request every chunk must belong to.
+        total: how many chunks make the whole prompt.
+    Raises:
+        KvTransferError: `total` < 1.
+    """
+
+    def __init__(self, request_id: str, total: int) -> None:
+        if total < 1:
+            raise KvTransferError(f"request {request_id}: a KV transfer of {total} chunks")
+        self.request_id = request_id
+        self.total = total
+        self.wire_dtype = ""  # a DTYPE_NAMES key, fixed by the first chunk
+        self.num_wire_bytes = 0  # compressed bytes of the accepted (non-duplicate) chunks
+        self._pieces: dict[int, _Piece] = {}
+
+    @property
+    def num_received(self) -> int:
+        return len(self._pieces)
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self._pieces) == self.total
+
+    def missing(self) -> list[int]:
+        """The seqs not received yet, ascending."""
+        return [seq for seq in range(self.total) if seq not in self._pieces]
+
+    def add(self, chunk: KvChunk) -> None:
+        """Verify one chunk and keep its decompressed payload; an identical duplicate is ignored.
+
+        The checksum is checked before anything is decompressed, so unverified bytes never reach LZ4 or the pool.
+        Raises:
+            KvTransferError: another request or total, a seq out of range, an unknown dtype or codec, insane
+                layer/token ranges or sizes, a failed checksum, a conflicting duplicate, or a bad payload.
+        """
+        where = f"request {self.request_id}: chunk {chunk.seq}/{chunk.total}"
+        if chunk.request_id != self.request_id:
+            raise KvTransferError(f"{where} belongs to request {chunk.request_id}")
+        if chunk.total != self.total:
+            raise KvTransferError(f"{where} says {chunk.total} chunks, earlier ones said {self.total}")
+        if not 0 <= chunk.seq < self.total:
+            raise KvTransferError(f"{where}: seq out of range 0..{self.total - 1}")
+        self._check_shape(chunk, where)
+        if checksum(chunk.data) != chunk.checksum:
+            raise KvTransferError(f"{where} failed its checksum")
+        header = dataclasses.replace(chunk, data=b"")
+        earlier = self._pieces.get(chunk.seq)
+        if earlier is not None:
+            if earlier.header != header:
+                raise KvTransferError(f"{where} arrived twice with different contents")
+            return
+        try:
+            raw = decompress(chunk.codec, chunk.data, chunk.raw_size, DTYPE_NAMES[chunk.dtype].itemsize)
+        except KvTransferError as exc:
+            raise KvTransferError(f"{where}: {exc}") from None
+        self.wire_dtype = self.wire_dtype or chunk.dtype
+        self.num_wire_bytes += len(chunk.data)
+        self._pieces[chunk.seq] = _Piece(header, raw)
+
+    def _check_shape(self, chunk: KvChunk, where: str) -> None:
+        if chunk.dtype not in DTYPE_NAMES:
+            raise KvTransferError(f"{where}: unknown dtype {chunk.dtype!r}")
+        if self.wire_dtype and chunk.dtype != self.wire_dtype:
+            raise KvTransferError(f"{where} is {chunk.dtype}, earlier chunks were {self.wire_dtype}")
+        if not (0 <= chunk.layer_start < chunk.layer_end and 0 <= chunk.token_start < chunk.token_end):
+            raise KvTransferError(
+                f"{where}: empty or negative range layers [{chunk.layer_start}, {chunk.layer_end}) "
+                f"tokens [{chunk.token_start}, {chunk.token_end})"
+            )
+        per_head_dim = (chunk.layer_end - chunk.layer_start) * 2 * (chunk.token_end - chunk.token_start)
+        if chunk.raw_size < 1 or chunk.raw_size % (per_head_dim * DTYPE_NAMES[chunk.dtype].itemsize):
+            raise KvTransferError(f"{where}: raw size {chunk.raw_size} does not fit its layer and token ranges")
+
+    def assemble(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """The whole prompt's KV, converted to `dtype` when the wire dtype differs.
+
+        Returns:
+            [num_layers, 2, num_kv_heads, num_tokens, head_dim]; num_tokens is the largest token_end received.
+        Raises:
+            KvTransferError: chunks missing, a chunk whose size does not fit this shape, or a layer not covered
+                exactly once over tokens [0, num_tokens).
+        """
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+            raise KvTransferError(f"request {self.request_id}: {len(missing)} of {self.total} chunks missing ({shown})")
+        num_tokens = max(piece.header.token_end for piece in self._pieces.values())
+        self._check_coverage(num_layers, num_tokens)
+        wire_dtype = DTYPE_NAMES[self.wire_dtype]
+        out = torch.empty(num_layers, 2, num_kv_heads, num_tokens, head_dim, dtype=wire_dtype)
+        dest = out.view(_INT_OF_SIZE[wire_dtype.itemsize]).numpy()  # shares out's memory
+        for seq, piece in sorted(self._pieces.items()):
+            l0, l1, t0, t1 = _ranges(piece.header)
+            shape = (l1 - l0, 2, num_kv_heads, t1 - t0, head_dim)
+            if piece.header.raw_size != wire_dtype.itemsize * math.prod(shape):
+                raise KvTransferError(
+                    f"request {self.request_id}: chunk {seq}/{self.total} holds {piece.header.raw_size} bytes, "
+                    f"which is not {num_kv_heads} kv heads x head dim {head_dim} of {self.wire_dtype}"
+                )
+            dest[l0:l1, :, :, t0:t1, :] = np.frombuffer(piece.raw, dest.dtype).reshape(shape)
+        return out if dtype == wire_dtype else out.to(dtype)  # e.g. fp32 on the wire -> a bf16 pool
+
+    def _check_coverage(self, num_layers: int, num_tokens: int) -> None:
+        ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        for seq, piece in self._pieces.items():
+            l0, l1, t0, t1 = _ranges(piece.header)
+            if l1 > num_layers:
+                raise KvTransferError(
+                    f"request {self.request_id}: chunk {seq}/{self.total} holds layer {l1 - 1}, "
+                    f"the model has {num_layers}"
+                )
+            for layer in range(l0, l1):
+                ranges[layer].append((t0, t1))
+        for layer, spans in enumerate(ranges):
+            end = 0
+            for t0, t1 in sorted(spans):
+                if t0 != end:
+                    kind = "a gap" if t0 > end else "an overlap"
+                    raise KvTransferError(f"request {self.request_id}: layer {layer} has {kind} at token {end}")
+                end = t1
+            if end != num_tokens:
+                raise KvTransferError(f"request {self.request_id}: layer {layer} covers tokens [0, {end}), "
+                                      f"expected [0, {num_tokens})")
+
+
+def _ranges(chunk: KvChunk) -> tuple[int, int, int, int]:
+    return chunk.layer_start, chunk.layer_end, chunk.token_start, chunk.token_end
+
+
+class KvReceiver:
+    """A decode instance's in-flight KV streams, with a stall deadline.
+
+    A request whose transfer failed, was discarded or was taken is closed: its late chunks are ignored silently for
+    ten deadlines, so they neither reopen it nor later report a stall for it.
+
+    Args:
+        deadline_s: a stream with no new chunk for this long is expired.
+        clock: seconds, monotonic (tests pass a fake).
+    """
+
+    def __init__(self, deadline_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.deadline_s = deadline_s
+        self.clock = clock
+        self._assemblies: dict[str, KvAssembly] = {}
+        self._last_seen: dict[str, float] = {}
+        self._closed: dict[str, float] = {}  # request_id -> when it was closed
+
+    def add(self, chunk: KvChunk) -> KvTransferError | None:
+        """Take one chunk (opening the request's assembly on its first); never raises.
+
+        Returns:
+            the error that failed this request (its assembly is then dropped), else None.
+        """
+        request_id = chunk.request_id
+        if request_id in self._closed:
+            return None
+        now = self.clock()
+        try:
+            assembly = self._assemblies.get(request_id)
+            if assembly is None:
+                assembly = KvAssembly(request_id, chunk.total)
+            assembly.add(chunk)
+        except KvTransferError as exc:
+            self._close(request_id, now)
+            return exc
+        self._assemblies[request_id] = assembly
+        self._last_seen[request_id] = now
+        return None
+
+    def take_complete(self, request_id: str) -> KvAssembly | None:
+        """Pop the request's assembly if all its chunks are in, else None (and keep it)."""
+        assembly = self._assemblies.get(request_id)
+        if assembly is None or not assembly.is_complete:
+            return None
+        self._close(request_id, self.clock())
+        return assembly
+
+    def is_complete(self, request_id: str) -> bool:
+        assembly = self._assemblies.get(request_id)
+        return assembly is not None and assembly.is_complete
+
+    def expire(self) -> list[tuple[str, str]]:
+        """Drop every stream without a new chunk for `deadline_s`.
+
+        Returns:
+            (request_id, reason) for each, e.g. "KV transfer stalled: 5 of 12 chunks missing after 10.0 s".
+        """
+        now = self.clock()
+        expired = []
+        for request_id, seen in list(self._last_seen.items()):
+            idle_s = now - seen
+            if idle_s < self.deadline_s:
+                continue
+            assembly = self._assemblies[request_id]
+            if assembly.is_complete:
+                reason = f"KV transfer complete but not taken after {idle_s:.1f} s"
+            else:
+                num_missing = assembly.total - assembly.num_received
+                reason = f"KV transfer stalled: {num_missing} of {assembly.total} chunks missing after {idle_s:.1f} s"
+            expired.append((request_id, reason))
+            self._close(request_id, now)
+        forget_before = now - _CLOSED_MEMORY * self.deadline_s
+        self._closed = {rid: at for rid, at in self._closed.items() if at >= forget_before}
+        return expired
+
+    def discard(self, request_id: str) -> None:
+        """Drop the request's stream (cancellation); its later chunks are ignored."""
+        self._close(request_id, self.clock())
+
+    def _close(self, request_id: str, now: float) -> None:
+        self._assemblies.pop(request_id, None)
+        self._last_seen.pop(request_id, None)
+        self._closed[request_id] = now
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._assemblies
+
+    def __len__(self) -> int:
+        return len(self._assemblies)
