@@ -1,27 +1,15 @@
-"""Every message that crosses NATS, every subject, and their encoding (msgpack); nothing else calls msgpack.
+"""Every message that crosses NATS, as frozen dataclasses registered by kind (see `base.py` for the encoding).
 
-A message is a frozen dataclass registered under a short kind name and a version. On the wire it is the msgpack
-array `[kind, version, {field: value}]`; a receiver rejects an unknown kind or a newer version with
-`ProtocolError`. KV payload bytes inside messages are compressed by `shared.kv_wire`, not here.
+KV payload bytes inside messages are made by `shared.kv_wire`, not here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
-
-import msgpack
 
 from shared.engine.sampling import SamplingParams
-
-PROTOCOL_VERSION = 1
-
-
-class ProtocolError(ValueError):
-    """Bytes that are not a message this version understands."""
+from shared.protocol.base import Message, message
 
 
 class Role(enum.StrEnum):
@@ -40,33 +28,6 @@ class ErrorType(enum.StrEnum):
     KV_TRANSFER = "kv_transfer"  # missing or corrupt KV chunks (HTTP 502)
     INVALID = "invalid"  # the request cannot be served as asked (HTTP 400)
     INTERNAL = "internal"  # a bug (HTTP 500)
-
-
-class Message:
-    """Base of every wire message; subclasses are frozen dataclasses registered with `@message("kind")`."""
-
-    KIND: ClassVar[str] = ""
-    VERSION: ClassVar[int] = PROTOCOL_VERSION
-
-
-_REGISTRY: dict[str, type[Message]] = {}
-M = TypeVar("M", bound=type[Message])
-
-
-def message(kind: str) -> typing.Callable[[M], M]:
-    def register(cls: M) -> M:
-        if kind in _REGISTRY:
-            raise TypeError(f"message kind {kind!r} registered twice")
-        cls.KIND = kind
-        _REGISTRY[kind] = cls
-        return cls
-
-    return register
-
-
-def message_types() -> list[type[Message]]:
-    """Every registered message class (for round-trip tests and docs)."""
-    return list(_REGISTRY.values())
 
 
 # ---- requests ------------------------------------------------------------------------------------------------
@@ -322,122 +283,3 @@ class Ack(Message):
     error: str = ""
 
 
-# ---- encoding -----------------------------------------------------------------------------------------------
-
-
-def encode(msg: Message) -> bytes:
-    """The message as msgpack bytes."""
-    return msgpack.packb([msg.KIND, msg.VERSION, _to_wire(msg)], use_bin_type=True)
-
-
-T = TypeVar("T", bound=Message)
-
-
-def decode(data: bytes, expected: type[T] | None = None) -> Any:
-    """Parse bytes made by `encode`.
-
-    Args:
-        data: the NATS payload.
-        expected: when given, the message must be of this type.
-    Raises:
-        ProtocolError: not msgpack, an unknown kind, a newer version, missing/unknown fields, or not `expected`.
-    """
-    try:
-        kind, version, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"not a tsukimi message: {exc}") from None
-    cls = _REGISTRY.get(kind)
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    if version > cls.VERSION:
-        raise ProtocolError(f"{kind} version {version} is newer than this service understands ({cls.VERSION})")
-    if expected is not None and cls is not expected:
-        raise ProtocolError(f"expected {expected.KIND}, got {kind}")
-    return _from_wire(cls, fields)
-
-
-def _to_wire(msg: Message) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
-        value = getattr(msg, f.name)
-        out[f.name] = _to_wire(value) if isinstance(value, Message) else value
-    return out
-
-
-def _from_wire(cls: type[Message], fields: Any) -> Message:
-    if not isinstance(fields, dict):
-        raise ProtocolError(f"{cls.KIND}: fields must be a map")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(fields) - names
-    if unknown:
-        raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(unknown)}")
-    kwargs = {}
-    for name, value in fields.items():
-        hint = hints[name]
-        if isinstance(hint, type) and issubclass(hint, Message):
-            value = _from_wire(hint, value)
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ProtocolError(f"{cls.KIND}: {exc}") from None
-
-
-# ---- subjects -----------------------------------------------------------------------------------------------
-
-
-PREFILL_QUEUE = "prefill"  # queue group of prefill instances for unaddressed work
-SCHEDULER_QUEUE = "scheduler"  # one active scheduler answers each submit
-
-
-@dataclass(frozen=True)
-class Subjects:
-    """Every NATS subject, under one configurable prefix (`TSUKIMI_SUBJECT_PREFIX`)."""
-
-    prefix: str = "tsukimi"
-
-    @property
-    def submit(self) -> str:
-        return f"{self.prefix}.sched.submit"
-
-    @property
-    def heartbeat(self) -> str:
-        return f"{self.prefix}.sched.heartbeat"
-
-    @property
-    def cancel(self) -> str:
-        return f"{self.prefix}.cancel"
-
-    def kv_events(self, instance_id: str) -> str:
-        return f"{self.prefix}.kv.events.{instance_id}"
-
-    @property
-    def kv_events_all(self) -> str:
-        return f"{self.prefix}.kv.events.>"
-
-    def prefill_run(self, instance_id: str) -> str:
-        return f"{self.prefix}.prefill.{instance_id}.run"
-
-    def decode_run(self, instance_id: str) -> str:
-        return f"{self.prefix}.decode.{instance_id}.run"
-
-    def decode_kv(self, instance_id: str) -> str:
-        return f"{self.prefix}.decode.{instance_id}.kv"
-
-    def stream(self, request_id: str) -> str:
-        return f"{self.prefix}.stream.{request_id}"
-
-    def cache_put(self, shard: int) -> str:
-        return f"{self.prefix}.cache.{shard}.put"
-
-    def cache_get(self, shard: int) -> str:
-        return f"{self.prefix}.cache.{shard}.get"
-
-    def cache_has(self, shard: int) -> str:
-        return f"{self.prefix}.cache.{shard}.has"
-
-
-def is_valid_request_id(request_id: str) -> bool:
-    """Request ids become subject tokens: 1-128 of letters, digits, '-' and '_'."""
-    return 0 < len(request_id) <= 128 and all(c.isascii() and (c.isalnum() or c in "-_") for c in request_id)

@@ -1,0 +1,33 @@
+"""The wire protocol: every message that crosses NATS (`messages.py`), its msgpack encoding (`base.py`) and every
+subject (`subjects.py`). Import from here: `from shared.protocol import DecodeTask, Subjects, encode, decode`.
+"""
+
+from shared.protocol.base import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message, message_types
+from shared.protocol.messages import (
+    Ack,
+    BlockGet,
+    BlockHas,
+    BlockHasReply,
+    BlockPart,
+    BlockPut,
+    Cancel,
+    DecodeTask,
+    ErrorType,
+    Heartbeat,
+    KvChunk,
+    KvEvent,
+    PrefillTask,
+    Role,
+    Sampling,
+    StreamEvent,
+    SubmitReply,
+    SubmitRequest,
+)
+from shared.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjects, is_valid_request_id
+
+__all__ = [
+    "PROTOCOL_VERSION", "PREFILL_QUEUE", "SCHEDULER_QUEUE", "Ack", "BlockGet", "BlockHas", "BlockHasReply",
+    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "Heartbeat", "KvChunk", "KvEvent", "Message",
+    "PrefillTask", "ProtocolError", "Role", "Sampling", "StreamEvent", "SubmitReply", "SubmitRequest", "Subjects",
+    "decode", "encode", "is_valid_request_id", "message", "message_types",
+]
