@@ -28,6 +28,8 @@ class Load:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     request_ids: list[str] = field(default_factory=list)
+    samples: list[list[float]] = field(default_factory=list)  # see Heartbeat.samples
+    fetch_bytes_per_s: float = 0.0
 
 
 class HeartbeatSender:
@@ -51,6 +53,7 @@ class HeartbeatSender:
         return Heartbeat(
             self.instance_id, self.role, self.epoch, time.time(), load.num_running, load.num_waiting,
             load.num_queued_tokens, load.kv_blocks_used, load.kv_blocks_total, list(load.request_ids),
+            [list(sample) for sample in load.samples], load.fetch_bytes_per_s,
         )
 
     async def send_now(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from shared.engine.sampling import SamplingParams
 from shared.protocol.base import Message, message
@@ -93,14 +94,21 @@ class SubmitReply(Message):
 @message("prefill-task")
 @dataclass(frozen=True)
 class PrefillTask(Message):
-    """scheduler -> one prefill instance (`prefill.<id>.run`): compute the prompt and hand it to `decode_id`."""
+    """scheduler -> one prefill instance (`prefill.<id>.run`): compute the prompt and hand it to `decode_id`.
 
+    Also scheduler -> the decode instance itself (`decode.<id>.run`, conditional disaggregation): a short or mostly
+    cached prompt is then prefilled where it will be decoded. `fetch_from_pool` says whether to load the prefix the
+    cache-store holds beyond the local cache (the Conductor's balancing decision).
+    """
+
+    VERSION: ClassVar[int] = 2
     request_id: str
     prompt_ids: list[int]
     block_hashes: list[int]
     sampling: Sampling
     decode_id: str
     arrival_time: float
+    fetch_from_pool: bool = True
 
 
 @message("decode-task")
@@ -189,6 +197,8 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
+    VERSION: ClassVar[int] = 2
+
     instance_id: str
     role: str
     epoch: int
@@ -199,6 +209,11 @@ class Heartbeat(Message):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     request_ids: list[str] = field(default_factory=list)
+    # Step timings since the last beat, for the Conductor's cost models. Prefill: [new tokens, attention work
+    # (sum over the step's new tokens of the context each attends to), seconds]; decode: [batch size, total context
+    # tokens, seconds].
+    samples: list[list[float]] = field(default_factory=list)
+    fetch_bytes_per_s: float = 0.0  # prefill: measured cache-store -> prefill bandwidth (0: not measured yet)
 
 
 @message("kv-event")
@@ -217,6 +232,27 @@ class KvEvent(Message):
 
 
 # ---- cache-store --------------------------------------------------------------------------------------------
+
+
+@message("snapshot-request")
+@dataclass(frozen=True)
+class SnapshotRequest(Message):
+    """Ask an instance for every block its cache holds (`snapshot.<instance>`, request/reply -> `Snapshot`): the
+    scheduler's resync after a gap in that instance's KV events or a new epoch."""
+
+    instance_id: str
+
+
+@message("snapshot")
+@dataclass(frozen=True)
+class Snapshot(Message):
+    """Every block hash one instance's cache holds, as of its KV event `seq` in `epoch` (events after it apply on
+    top)."""
+
+    instance_id: str
+    epoch: int
+    seq: int  # the seq of the last event already reflected here (-1: none yet)
+    block_hashes: list[int] = field(default_factory=list)
 
 
 @message("block-put")

@@ -33,6 +33,9 @@ class Subjects:
     def kv_events_all(self) -> str:
         return f"{self.prefix}.kv.events.>"
 
+    def snapshot(self, instance_id: str) -> str:
+        return f"{self.prefix}.snapshot.{instance_id}"
+
     def prefill_run(self, instance_id: str) -> str:
         return f"{self.prefix}.prefill.{instance_id}.run"
 

@@ -35,7 +35,10 @@ def _example(cls: type[Message]) -> Message:
             kwargs[f.name] = _example(hint)
         elif origin is list:
             (item,) = hint.__args__
-            kwargs[f.name] = [_SAMPLE_VALUES[item], _SAMPLE_VALUES[item]] if item is not int else [1, 2**64 - 1]
+            if getattr(item, "__origin__", None) is list:  # list[list[float]]
+                kwargs[f.name] = [[1.0, 2.5], [3.0]]
+            else:
+                kwargs[f.name] = [_SAMPLE_VALUES[item], _SAMPLE_VALUES[item]] if item is not int else [1, 2**64 - 1]
         elif hint in _SAMPLE_VALUES:
             kwargs[f.name] = _SAMPLE_VALUES[hint]
         else:  # optional scalars: int | None, str | None, float | None
