@@ -21,9 +21,17 @@ from shared.engine.sampling import SamplingParams
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import KvReceiver, KvTransferError
 from shared.log import get_logger
-from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Message, Role, StreamEvent
+from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Message, PrefillTask, Role, StreamEvent
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A request the engine thread could not take (delivered as an error event)."""
+
+    request_id: str
+    error: str
 
 
 @dataclass
@@ -46,13 +54,15 @@ class DecodeService:
 
     def __init__(self, settings: Settings, bus: Bus, engine: LLMEngine) -> None:
         self.settings, self.bus, self.engine = settings, bus, engine
-        self.host: EngineHost[RequestOutput] = EngineHost(engine)
+        self.host: EngineHost[RequestOutput | _Failure] = EngineHost(engine)
         self.receiver = KvReceiver(settings.kv_deadline_s)
         self._waiting: dict[str, _Waiting] = {}  # DecodeTask in, KV not complete yet
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
         self._aborts: set[str] = set()
-        self._lock = threading.Lock()  # _ready and _running are shared with the engine thread
+        self._prompts: deque[tuple[PrefillTask, SamplingParams]] = deque()  # to prefill here
+        self._samples: list[list[float]] = []  # decode step timings since the last heartbeat
+        self._lock = threading.Lock()  # _ready, _prompts, _running and _samples are shared with the engine thread
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.DECODE, settings.heartbeat_s, self.load)
         self._deadline_task: asyncio.Task[None] | None = None
 
@@ -76,10 +86,13 @@ class DecodeService:
         blocks = self.engine.block_manager
         with self._lock:
             running, ready = list(self._running), [r.request_id for r in self._ready]
+            ready += [task.request_id for task, _ in self._prompts]
+            samples, self._samples = self._samples, []
         return Load(
             num_running=len(running), num_waiting=len(self._waiting) + len(ready),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
-            request_ids=[*running, *self._waiting, *ready],
+            request_ids=[*running, *self._waiting, *ready], samples=samples,
+            block_bytes=self.engine.runner.pool.num_bytes // self.engine.runner.pool.num_blocks,
         )
 
     async def handle_message(self, msg: Message) -> None:
@@ -93,8 +106,22 @@ class DecodeService:
         elif isinstance(msg, DecodeTask):
             self._waiting[msg.request_id] = _Waiting(msg, time.monotonic())
             await self._maybe_ready(msg.request_id)
+        elif isinstance(msg, PrefillTask):
+            await self._prefill_here(msg)
         elif isinstance(msg, Cancel):
             self._cancel(msg)
+
+    async def _prefill_here(self, task: PrefillTask) -> None:
+        """Conditional disaggregation: the scheduler judged this prompt cheaper to compute here than to move."""
+        try:
+            params = task.sampling.to_params()
+        except ValueError as exc:
+            await self._fail(task.request_id, str(exc), ErrorType.INVALID)
+            return
+        with self._lock:
+            self._prompts.append((task, params))
+        log.info("prefill on decode", request_id=task.request_id, prompt_tokens=len(task.prompt_ids))
+        self.host.wake()
 
     def _cancel(self, msg: Cancel) -> None:
         request_id = msg.request_id
@@ -103,6 +130,8 @@ class DecodeService:
         with self._lock:
             for ready in [r for r in self._ready if r.request_id == request_id]:
                 self._ready.remove(ready)
+            for prompt in [p for p in self._prompts if p[0].request_id == request_id]:
+                self._prompts.remove(prompt)
             is_running = request_id in self._running
         if is_running:
             self._aborts.add(request_id)
@@ -149,17 +178,45 @@ class DecodeService:
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
-    def _tick(self) -> tuple[list[RequestOutput], bool]:
+    def _tick(self) -> tuple[list[RequestOutput | _Failure], bool]:
         for request_id in list(self._aborts):
             self._aborts.discard(request_id)
             self.engine.abort(request_id)
             with self._lock:
                 self._running.discard(request_id)
+        failures = self._admit_prompts()
         self._admit_ready()
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        outputs = self._timed_step() if self.engine.has_unfinished() else []
         with self._lock:
             self._running.difference_update(out.request_id for out in outputs if out.finished)
-        return outputs, self.engine.has_unfinished()
+        return [*failures, *outputs], self.engine.has_unfinished()
+
+    def _timed_step(self) -> list[RequestOutput]:
+        """One engine step; a pure decode step's time becomes a sample for the scheduler's TBT model."""
+        running = self.engine.scheduler.running
+        is_pure_decode = not self.engine.scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in running)
+        batch, context = len(running), sum(s.num_tokens for s in running)
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        if is_pure_decode and batch:
+            with self._lock:
+                self._samples.append([float(batch), float(context), time.perf_counter() - started])
+        return outputs
+
+    def _admit_prompts(self) -> list[_Failure]:
+        """Queue prompts sent here for local prefill into the engine (its scheduler batches them with decodes)."""
+        with self._lock:
+            prompts, self._prompts = list(self._prompts), deque()
+        failures = []
+        for task, params in prompts:
+            try:
+                self.engine.add_request(task.request_id, task.prompt_ids, params)
+            except ValueError as exc:
+                failures.append(_Failure(task.request_id, str(exc)))
+                continue
+            with self._lock:
+                self._running.add(task.request_id)
+        return failures
 
     def _admit_ready(self) -> None:
         """Move assembled requests into the engine while it has room (the rest wait for finished ones)."""
@@ -182,8 +239,11 @@ class DecodeService:
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
-    async def _deliver(self, outputs: list[RequestOutput]) -> None:
+    async def _deliver(self, outputs: list[RequestOutput | _Failure]) -> None:
         for out in outputs:
+            if isinstance(out, _Failure):
+                await self._fail(out.request_id, out.error, ErrorType.INVALID)
+                continue
             event = StreamEvent(
                 out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_text,
                 out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
@@ -193,9 +253,9 @@ class DecodeService:
                 log.info("decoded", request_id=out.request_id, reason=out.finish_reason,
                          output_tokens=out.num_output_tokens)
 
-    async def _fail(self, request_id: str, error: str) -> None:
-        log.warning("KV transfer failed", request_id=request_id, error=error)
-        event = StreamEvent(request_id, -1, [], "", error_type=ErrorType.KV_TRANSFER, error=error)
+    async def _fail(self, request_id: str, error: str, error_type: ErrorType = ErrorType.KV_TRANSFER) -> None:
+        log.warning("request failed", request_id=request_id, error_type=error_type, error=error)
+        event = StreamEvent(request_id, -1, [], "", error_type=error_type, error=error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)
 
 

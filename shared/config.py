@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
 
+POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
+REJECTION_MODES = ("off", "current", "predicted")
+
 
 class ConfigError(ValueError):
     """An environment variable holds a value that cannot be used; the message names it."""
@@ -48,6 +51,16 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_KV_DEADLINE_S", "10", "decode fails a request whose KV stream stalls this long"),
         EnvVar("TSUKIMI_KV_CHUNK_KB", "256", "largest KV payload per NATS message, KiB"),
         EnvVar("TSUKIMI_KV_COMPRESS", "off", "LZ4 on prefill->decode KV chunks: on pays on links under ~40 MB/s"),
+        EnvVar("TSUKIMI_POLICY", "conductor",
+               "placement: random, round_robin, least_loaded, local_cache_aware or conductor"),
+        EnvVar("TSUKIMI_SLO_TTFT_MS", "10000", "time-to-first-token SLO; a request predicted to miss it gets 429"),
+        EnvVar("TSUKIMI_SLO_TBT_MS", "500", "time-between-tokens SLO; decode predicted slower than this gets 429"),
+        EnvVar("TSUKIMI_REJECTION", "predicted",
+               "early rejection: off, current (decode load now) or predicted (when the request reaches decode)"),
+        EnvVar("TSUKIMI_CACHE_BALANCE_RATIO", "1.5",
+               "fetch the cache-store's prefix when it is this many times longer than the local one"),
+        EnvVar("TSUKIMI_LOCAL_PREFILL_TOKENS", "128",
+               "prompts with at most this many tokens to compute may be prefilled on the decode instance (0: never)"),
         EnvVar("TSUKIMI_HOST", "127.0.0.1", "gateway listen address"),
         EnvVar("TSUKIMI_PORT", "8000", "gateway listen port"),
         EnvVar("TSUKIMI_MAX_BODY_KB", "1024", "largest HTTP request body, KiB (larger: 413)"),
@@ -77,6 +90,12 @@ class Settings:
     kv_deadline_s: float
     kv_chunk_bytes: int
     kv_compress: bool
+    policy: str
+    slo_ttft_s: float
+    slo_tbt_s: float
+    rejection: str
+    cache_balance_ratio: float
+    local_prefill_tokens: int
     host: str
     port: int
     max_body_bytes: int
@@ -87,16 +106,19 @@ class Settings:
     cache_ssd_dir: str | None
 
 
-def load_settings(role: str, environ: Mapping[str, str] | None = None) -> Settings:
+def load_settings(
+    role: str, environ: Mapping[str, str] | None = None, overrides: Mapping[str, str] | None = None
+) -> Settings:
     """Read every `TSUKIMI_*` variable (missing ones take their defaults).
 
     Args:
         role: the service name, used in the default instance id.
         environ: the variables to read (default: `os.environ`); tests pass a dict.
+        overrides: variables that win over `environ` (a command line's flags).
     Raises:
         ConfigError: a value of the wrong type or out of range, or an unknown `TSUKIMI_*` variable (a typo).
     """
-    env = os.environ if environ is None else environ
+    env = {**(os.environ if environ is None else environ), **(overrides or {})}
     unknown = sorted(k for k in env if k.startswith("TSUKIMI_") and k not in ENV_VARS)
     if unknown:
         raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(ENV_VARS)}")
@@ -137,6 +159,12 @@ def load_settings(role: str, environ: Mapping[str, str] | None = None) -> Settin
         kv_deadline_s=get.number("TSUKIMI_KV_DEADLINE_S", minimum=0.1),
         kv_chunk_bytes=get.integer("TSUKIMI_KV_CHUNK_KB", minimum=1) << 10,
         kv_compress=get.switch("TSUKIMI_KV_COMPRESS"),
+        policy=get.choice("TSUKIMI_POLICY", POLICIES),
+        slo_ttft_s=get.number("TSUKIMI_SLO_TTFT_MS", minimum=1.0) / 1000,
+        slo_tbt_s=get.number("TSUKIMI_SLO_TBT_MS", minimum=1.0) / 1000,
+        rejection=get.choice("TSUKIMI_REJECTION", REJECTION_MODES),
+        cache_balance_ratio=get.number("TSUKIMI_CACHE_BALANCE_RATIO", minimum=1.0),
+        local_prefill_tokens=get.integer("TSUKIMI_LOCAL_PREFILL_TOKENS", minimum=0),
         host=get.text("TSUKIMI_HOST"),
         port=get.integer("TSUKIMI_PORT", minimum=0),
         max_body_bytes=get.integer("TSUKIMI_MAX_BODY_KB", minimum=1) << 10,
@@ -181,6 +209,12 @@ class _Reader:
         if not value >= minimum:
             raise ConfigError(f"{name} must be at least {minimum}, got {value}")
         return value
+
+    def choice(self, name: str, choices: tuple[str, ...]) -> str:
+        raw = self.text(name).lower()
+        if raw not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+        return raw
 
     def switch(self, name: str) -> bool:
         raw = self.text(name).lower()

@@ -30,6 +30,7 @@ class Load:
     request_ids: list[str] = field(default_factory=list)
     samples: list[list[float]] = field(default_factory=list)  # see Heartbeat.samples
     fetch_bytes_per_s: float = 0.0
+    block_bytes: int = 0
 
 
 class HeartbeatSender:
@@ -53,7 +54,7 @@ class HeartbeatSender:
         return Heartbeat(
             self.instance_id, self.role, self.epoch, time.time(), load.num_running, load.num_waiting,
             load.num_queued_tokens, load.kv_blocks_used, load.kv_blocks_total, list(load.request_ids),
-            [list(sample) for sample in load.samples], load.fetch_bytes_per_s,
+            [list(sample) for sample in load.samples], load.fetch_bytes_per_s, load.block_bytes,
         )
 
     async def send_now(self) -> None:

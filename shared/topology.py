@@ -76,6 +76,7 @@ class Topology:
         model: TSUKIMI_MODEL for every service (None: the default model).
         cache_ssd_dir: the cache-store SSD tier folder; with several shards each gets `shard-<i>` inside it.
         engine_threads: TSUKIMI_NUM_THREADS of each prefill and decode instance (0: not set).
+        extra_env: more TSUKIMI_* settings for every instance (the scheduler's policy and SLOs from flags).
     """
 
     prefill: int = 1
@@ -87,6 +88,7 @@ class Topology:
     model: str | None = None
     cache_ssd_dir: str | None = None
     engine_threads: int = 0
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "cache_stores"):
@@ -104,6 +106,7 @@ class Topology:
     def service_env(self, service: ServiceDef) -> dict[str, str]:
         """The TSUKIMI_* settings every instance of `service` gets (no instance id, no shard index)."""
         env = {"TSUKIMI_NATS_URL": self.nats_url, "TSUKIMI_CACHE_SHARDS": str(self.cache_stores)}
+        env |= dict(self.extra_env)
         if self.model:
             env["TSUKIMI_MODEL"] = self.model
         if service.health_path:

@@ -129,7 +129,11 @@ class Gateway:
         request_id = request[REQUEST_ID]
         if request_id in self.active_request_ids:
             raise bad_request(f"request id {request_id!r} is already in flight", code="duplicate_request_id")
-        submit = SubmitRequest(request_id, prepared.prompt_ids, prepared.block_hashes, prepared.sampling, time.time())
+        submit = SubmitRequest(
+            request_id, prepared.prompt_ids, prepared.block_hashes, prepared.sampling, time.time(),
+            ttft_slo_s=options.slo_ttft_ms / 1000 if options.slo_ttft_ms else None,
+            tbt_slo_s=options.slo_tbt_ms / 1000 if options.slo_tbt_ms else None,
+        )
         meta = ResponseMeta(id_prefix + request_id, int(time.time()), self.model.name, isinstance(parsed, ChatRequest))
         headers = {REQUEST_ID_HEADER: request_id}
         log.info("submitting", num_prompt_tokens=len(prepared.prompt_ids), stream=options.stream)

@@ -145,11 +145,13 @@ class GatewayMetrics:
         "tsukimi_gateway_cached_prompt_tokens_total", "prompt tokens served from cached KV blocks"))
     generation_tokens: Counter = field(default_factory=lambda: Counter(
         "tsukimi_gateway_generation_tokens_total", "output tokens streamed to clients"))
+    rejections: Counter = field(default_factory=lambda: Counter(
+        "tsukimi_gateway_rejections_total", "requests the scheduler refused, by reason", ("reason",)))
 
     def render(self) -> str:
         metrics: list[_Metric] = [
             self.requests, self.ttft, self.itl, self.e2e, self.in_flight, self.queue_depth,
-            self.prompt_tokens, self.cached_tokens, self.generation_tokens,
+            self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.rejections,
         ]
         return "\n".join(line for m in metrics for line in m.render()) + "\n"
 

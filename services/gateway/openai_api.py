@@ -36,6 +36,9 @@ class GenerationOptions:
     min_tokens: int = 0
     stream: bool = False
     include_usage: bool = False
+    # tsukimi extensions: a request may tighten the server's SLOs (it can never loosen them).
+    slo_ttft_ms: float | None = None
+    slo_tbt_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,18 @@ def parse_options(body: dict[str, Any]) -> GenerationOptions:
         min_tokens=_int(body, "min_tokens", 0, _INT64 - 1) or 0,
         stream=stream,
         include_usage=_parse_stream_options(body.get("stream_options"), stream),
+        slo_ttft_ms=_positive_or_none(body, "slo_ttft_ms"),
+        slo_tbt_ms=_positive_or_none(body, "slo_tbt_ms"),
     )
+
+
+def _positive_or_none(body: dict[str, Any], name: str) -> float | None:
+    if body.get(name) is None:
+        return None
+    value = _number(body, name, 0.0)
+    if value <= 0:
+        raise bad_request(f"'{name}' must be a positive number of milliseconds, got {value}", name)
+    return value
 
 
 def _parse_message(message: Any, i: int) -> dict[str, str]:

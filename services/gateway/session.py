@@ -102,6 +102,7 @@ class Session:
         if not reply.accepted:
             self.is_done = True
             log.info("not accepted", request_id=self.request_id, error_type=reply.error_type, reason=reply.reason)
+            self.timer.metrics.rejections.inc(reason=reply.reason_code or reply.error_type or "unknown")
             error_type = reply.error_type or ErrorType.UNAVAILABLE
             raise from_error_type(error_type, reply.reason, reply.retry_after_s)
         log.info("accepted", request_id=self.request_id, prefill=reply.prefill_id, decode=reply.decode_id)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cli.common import CliError, positive_int
-from shared.config import ConfigError, Settings, load_settings
+from shared.config import POLICIES, REJECTION_MODES, ConfigError, Settings, load_settings
 from shared.nats_server import NatsServerError, find_nats_server, free_port, wait_for_port
 from shared.supervisor import Supervisor
 from shared.topology import SERVICES, Topology, TopologyError, module_file, nats_process_spec
@@ -70,6 +70,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--log-dir", metavar="DIR", type=Path, help="where each process's log goes (default: a new temp dir)"
     )
+    slo = parser.add_argument_group("scheduling (default: the TSUKIMI_* variables, else conductor, 10000 ms, 500 ms)")
+    slo.add_argument("--policy", choices=POLICIES, help="placement policy (TSUKIMI_POLICY)")
+    slo.add_argument("--slo-ttft-ms", type=float, metavar="MS",
+                     help="time-to-first-token SLO: requests predicted to miss it get HTTP 429 (TSUKIMI_SLO_TTFT_MS)")
+    slo.add_argument("--slo-tbt-ms", type=float, metavar="MS",
+                     help="time-between-tokens SLO, judged on the decode instance (TSUKIMI_SLO_TBT_MS)")
+    slo.add_argument("--rejection", choices=REJECTION_MODES,
+                     help="early rejection: off, on current load, or on decode load predicted for when the request "
+                          "reaches decode (TSUKIMI_REJECTION; default predicted)")
     parser.add_argument(
         "--startup-timeout", type=float, default=180.0, metavar="S",
         help="give up (exit 1) when /health is not 200 after this many seconds (default: 180)",
@@ -80,8 +89,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def run(args: argparse.Namespace) -> int:
     if args.startup_timeout <= 0:
         raise CliError(f"--startup-timeout must be positive, got {args.startup_timeout}")
-    settings = _environment_settings()
-    topology = _topology(args, settings)
+    overrides = _scheduling_env(args)
+    settings = _environment_settings(overrides)
+    topology = dataclasses.replace(_topology(args, settings), extra_env=tuple(sorted(overrides.items())))
     _check_port_free(topology.host, topology.port)
     _check_modules()
     nats_binary = None if args.nats_url else _nats_binary()
@@ -199,12 +209,19 @@ def _announce(base_url: str, model_name: str, log_dir: Path) -> None:
     print(f"  logs: {log_dir}", flush=True)
 
 
-def _environment_settings() -> Settings:
-    """This shell's TSUKIMI_* variables, checked now: every child would fail on a bad one."""
+def _environment_settings(overrides: dict[str, str]) -> Settings:
+    """This shell's TSUKIMI_* variables and the flags' overrides, checked now: every child would fail on a bad one."""
     try:
-        return load_settings("up")
+        return load_settings("up", overrides=overrides)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+
+
+def _scheduling_env(args: argparse.Namespace) -> dict[str, str]:
+    """The scheduling flags given, as the variables every service reads."""
+    flags = {"TSUKIMI_POLICY": args.policy, "TSUKIMI_SLO_TTFT_MS": args.slo_ttft_ms,
+             "TSUKIMI_SLO_TBT_MS": args.slo_tbt_ms, "TSUKIMI_REJECTION": args.rejection}
+    return {name: str(value) for name, value in flags.items() if value is not None}
 
 
 def _topology(args: argparse.Namespace, settings: Settings) -> Topology:

@@ -82,6 +82,8 @@ class SubmitRequest(Message):
 class SubmitReply(Message):
     """scheduler -> gateway: where the request went, or why it was not accepted."""
 
+    VERSION: ClassVar[int] = 2
+
     request_id: str
     accepted: bool
     prefill_id: str = ""
@@ -89,6 +91,7 @@ class SubmitReply(Message):
     error_type: str = ""  # an ErrorType value when not accepted
     reason: str = ""
     retry_after_s: float = 0.0
+    reason_code: str = ""  # short and stable, for metrics labels: "ttft_slo", "tbt_slo", "no_prefill", "no_decode"
 
 
 @message("prefill-task")
@@ -214,6 +217,7 @@ class Heartbeat(Message):
     # tokens, seconds].
     samples: list[list[float]] = field(default_factory=list)
     fetch_bytes_per_s: float = 0.0  # prefill: measured cache-store -> prefill bandwidth (0: not measured yet)
+    block_bytes: int = 0  # prefill and decode: bytes of one KV block (all layers), for transfer-time estimates
 
 
 @message("kv-event")

@@ -16,7 +16,18 @@ from shared.config import load_settings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.kv_wire import chunk_layer_kv, num_kv_chunks
-from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Sampling, StreamEvent, Subjects, decode
+from shared.protocol import (
+    Cancel,
+    DecodeTask,
+    ErrorType,
+    Heartbeat,
+    KvChunk,
+    PrefillTask,
+    Sampling,
+    StreamEvent,
+    Subjects,
+    decode,
+)
 
 pytestmark = pytest.mark.slow
 PREFIX = "dkv"
@@ -119,3 +130,24 @@ async def test_cancel_shrinks_the_batch(service: DecodeService, client: Client) 
             break
         await asyncio.sleep(0.05)
     assert service.load().num_running == 0 and not service.engine.has_unfinished()
+
+
+async def test_a_prompt_sent_to_decode_is_prefilled_there(service: DecodeService, client: Client, checkpoint) -> None:
+    """Conditional disaggregation: the whole request runs on the decode instance, streamed from token 0."""
+    prompt = checkpoint.tokenizer.encode("The capital of France is")
+    beats: list[Heartbeat] = []
+
+    async def on_beat(msg) -> None:  # noqa: ANN001
+        beats.append(decode(msg.data))
+
+    await client.bus.client.subscribe(client.bus.subjects.heartbeat, cb=on_beat)
+    await client.listen("here")
+    task = PrefillTask("here", prompt, [], Sampling(max_tokens=3, temperature=0.0, ignore_eos=True), "d0", 0.0)
+    await client.bus.publish(client.bus.subjects.decode_run("d0"), task)
+    events = await client.wait_done("here")
+    assert [e.index for e in events] == [0, 1, 2] and events[-1].finish_reason == "length"
+    assert events[0].num_prompt_tokens == len(prompt)
+    await asyncio.sleep(0.5)  # a heartbeat or two
+    samples = [s for beat in beats for s in beat.samples]
+    assert samples and all(len(s) == 3 and s[0] >= 1 and s[2] > 0 for s in samples)  # decode step timings
+    assert all(beat.block_bytes > 0 for beat in beats)

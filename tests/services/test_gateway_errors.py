@@ -135,16 +135,25 @@ async def test_prompt_plus_max_tokens_must_fit_the_context(checkpoint: Any) -> N
 
 async def test_a_rejection_is_429_with_retry_after(checkpoint: Any) -> None:
     def reject(request: SubmitRequest) -> tuple[SubmitReply, list[StreamEvent]]:
-        return SubmitReply(request.request_id, False, error_type="rejected", reason="TTFT SLO", retry_after_s=2.2), []
+        reply = SubmitReply(request.request_id, False, error_type="rejected", reason="TTFT SLO", retry_after_s=2.2,
+                            reason_code="ttft_slo")
+        return reply, []
 
     backend = FakeBackend(reject)
     async with serving(checkpoint, backend) as (client, _):
         for stream in (False, True):
-            resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+            body = {**CHAT, "stream": stream, "slo_ttft_ms": 1500, "slo_tbt_ms": 80}
+            resp = await client.post("/v1/chat/completions", json=body)
             assert resp.status == 429 and resp.headers["Retry-After"] == "3"
             assert_error(await resp.json(), code="rate_limit_exceeded")
             assert (await resp.json())["error"]["message"] == "TTFT SLO"
+        metrics = await (await client.get("/metrics")).text()
+        assert 'tsukimi_gateway_rejections_total{reason="ttft_slo"} 2' in metrics
+        bad = await client.post("/v1/chat/completions", json={**CHAT, "slo_ttft_ms": -5})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "slo_ttft_ms"
     assert not backend.cancels and not backend.open_streams
+    # The SLO extension fields reach the scheduler, in seconds.
+    assert [(s.ttft_slo_s, s.tbt_slo_s) for s in backend.submits] == [(1.5, 0.08), (1.5, 0.08)]
 
 
 async def test_no_scheduler_or_no_instances_is_503(checkpoint: Any) -> None:

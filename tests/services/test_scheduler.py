@@ -1,5 +1,5 @@
-"""The scheduler's handlers without NATS: least-load placement, counting placements at once, no live instance,
-and an instance that stops beating is forgotten and its requests failed."""
+"""The scheduler's handlers without NATS: placement by each policy, counting placements at once, admission against
+the SLOs (current vs predicted decode load), the Conductor's cache and load trade-offs, instance loss."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 from fakes import RecordingBus
 
-from services.scheduler import BlockIndex, SchedulerService
+from services.scheduler.service import SchedulerService
 from shared.config import load_settings
 from shared.protocol import (
     ErrorType,
@@ -18,9 +18,11 @@ from shared.protocol import (
     Role,
     Sampling,
     StreamEvent,
-    SubmitReply,
     SubmitRequest,
 )
+
+BLOCK = 64
+BLOCK_BYTES = 30 * 2 * 3 * BLOCK * 64 * 4
 
 
 class Clock:
@@ -31,58 +33,62 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def setup() -> tuple[SchedulerService, RecordingBus, Clock]:
+def _service(**env: str) -> tuple[SchedulerService, RecordingBus, Clock]:
     bus, clock = RecordingBus(), Clock()
-    settings = load_settings("scheduler", {"TSUKIMI_INSTANCE_TIMEOUT_S": "3"})
+    settings = load_settings("scheduler", {"TSUKIMI_INSTANCE_TIMEOUT_S": "3", "TSUKIMI_POLICY": "least_loaded",
+                                            "TSUKIMI_REJECTION": "off", **env})
     return SchedulerService(settings, bus, clock), bus, clock  # type: ignore[arg-type]
 
 
-def _beat(instance: str, role: Role, queued: int = 0, running: int = 0, ids: list[str] | None = None) -> Heartbeat:
+def _beat(instance: str, role: Role, queued: int = 0, running: int = 0, ids: list[str] | None = None,
+          blocks_used: int = 0) -> Heartbeat:
     return Heartbeat(instance, role, epoch=1, sent_at=time.time(), num_running=running, num_queued_tokens=queued,
-                     request_ids=ids or [])
+                     kv_blocks_used=blocks_used, request_ids=ids or [], block_bytes=BLOCK_BYTES)
 
 
-def _submit(request_id: str, num_tokens: int = 100) -> SubmitRequest:
-    return SubmitRequest(request_id, list(range(num_tokens)), [], Sampling(), time.time())
+def _submit(request_id: str, num_tokens: int = 100, max_tokens: int = 16, hashes: list[int] | None = None,
+            ttft_slo_s: float | None = None) -> SubmitRequest:
+    return SubmitRequest(request_id, list(range(num_tokens)), hashes or [], Sampling(max_tokens=max_tokens),
+                         time.time(), ttft_slo_s=ttft_slo_s)
 
 
-async def test_no_live_instance_is_unavailable(setup) -> None:
-    scheduler, bus, _ = setup
+async def _cluster(service: SchedulerService, *beats: Heartbeat) -> None:
+    for beat in beats:
+        await service.handle_heartbeat(beat)
+
+
+async def test_no_live_instance_is_unavailable() -> None:
+    scheduler, bus, _ = _service()
     reply = await scheduler.handle_submit(_submit("r1"))
-    assert not reply.accepted and reply.error_type == ErrorType.UNAVAILABLE and "prefill" in reply.reason
+    assert not reply.accepted and reply.error_type == ErrorType.UNAVAILABLE and reply.reason_code == "no_prefill"
     await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL))
     reply = await scheduler.handle_submit(_submit("r2"))
-    assert not reply.accepted and "decode" in reply.reason
+    assert not reply.accepted and reply.reason_code == "no_decode"
     assert bus.published == []
 
 
-async def test_least_load_wins_and_placements_count_at_once(setup) -> None:
-    scheduler, bus, _ = setup
-    for beat in (_beat("p0", Role.PREFILL, queued=500), _beat("p1", Role.PREFILL), _beat("d0", Role.DECODE),
-                 _beat("d1", Role.DECODE, running=3)):
-        await scheduler.handle_heartbeat(beat)
+async def test_least_loaded_counts_its_placements_at_once() -> None:
+    scheduler, bus, _ = _service()
+    await _cluster(scheduler, _beat("p0", Role.PREFILL, queued=500), _beat("p1", Role.PREFILL),
+                   _beat("d0", Role.DECODE), _beat("d1", Role.DECODE, running=3))
     first = await scheduler.handle_submit(_submit("r1", 400))
     assert (first.prefill_id, first.decode_id) == ("p1", "d0")
     (task,) = bus.on(bus.subjects.prefill_run("p1"))
     assert isinstance(task, PrefillTask) and task.decode_id == "d0" and task.request_id == "r1"
-    # p1 now carries 400 placed tokens and d0 one sequence before any new heartbeat says so.
     second = await scheduler.handle_submit(_submit("r2", 200))
-    assert second.prefill_id == "p1"  # 400 < 500
+    assert second.prefill_id == "p1"  # 400 placed < 500 queued
     third = await scheduler.handle_submit(_submit("r3", 200))
-    assert third.prefill_id == "p0"  # 600 > 500
-    assert [r.decode_id for r in (second, third)] == ["d0", "d0"]  # d0: 1, 2 placed < d1's 3 running
-    # A heartbeat sent after the placements absorbs them into the instance's own figures.
+    assert third.prefill_id == "p0"  # 600 placed > 500
+    assert [r.decode_id for r in (second, third)] == ["d0", "d0"]  # 1, 2 placed < d1's 3 running
+    # A heartbeat sent after the placements carries them in the instance's own figures.
     await scheduler.handle_heartbeat(_beat("p1", Role.PREFILL, queued=0))
     assert (await scheduler.handle_submit(_submit("r4", 10))).prefill_id == "p1"
 
 
-async def test_a_silent_instance_is_forgotten_and_its_requests_fail(setup) -> None:
-    scheduler, bus, clock = setup
-    await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL))
-    await scheduler.handle_heartbeat(_beat("d0", Role.DECODE, ids=["old"]))
-    placed = await scheduler.handle_submit(_submit("r1"))
-    assert isinstance(placed, SubmitReply) and placed.accepted
+async def test_a_silent_instance_is_forgotten_and_its_requests_fail() -> None:
+    scheduler, bus, clock = _service()
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE, ids=["old"]))
+    assert (await scheduler.handle_submit(_submit("r1"))).accepted
     clock.now += 2.0
     await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL))
     clock.now += 1.5  # d0 silent 3.5 s > 3 s; p0 silent 1.5 s
@@ -92,16 +98,81 @@ async def test_a_silent_instance_is_forgotten_and_its_requests_fail(setup) -> No
     failed = {m.request_id: m for _, m in bus.published if isinstance(m, StreamEvent)}
     assert set(failed) == {"old", "r1"}
     assert all(e.error_type == ErrorType.UNAVAILABLE and "d0" in e.error for e in failed.values())
-    reply = await scheduler.handle_submit(_submit("r2"))
-    assert not reply.accepted and "decode" in reply.reason
+    assert (await scheduler.handle_submit(_submit("r2"))).reason_code == "no_decode"
 
 
-def test_block_index_follows_events_and_flags_gaps() -> None:
-    index = BlockIndex()
-    index.apply(KvEvent("c0", 1, 0, "stored", [1, 2, 3]))
-    index.apply(KvEvent("c0", 1, 1, "removed", [2]))
-    assert index.num_blocks("c0") == 2 and "c0" not in index.stale
-    index.apply(KvEvent("c0", 1, 3, "stored", [4]))  # seq 2 missing
-    assert "c0" in index.stale
-    index.apply(KvEvent("c0", 1, 4, "cleared"))
-    assert index.num_blocks("c0") == 0
+async def test_heartbeat_samples_refit_the_cost_models() -> None:
+    scheduler, _, _ = _service()
+    samples = [[float(n), n * n / 2.0, 0.005 + n / 1000.0] for n in range(50, 2050, 100)]
+    await scheduler.handle_heartbeat(Heartbeat("p0", Role.PREFILL, 1, time.time(), samples=samples))
+    assert scheduler.prefill_cost.predict(1000, 0) == pytest.approx(1.005, rel=0.05)
+    decode_samples = [[float(b), 1000.0 * b, 0.02 + 0.01 * b] for b in range(1, 20)]
+    await scheduler.handle_heartbeat(Heartbeat("d0", Role.DECODE, 1, time.time(), samples=decode_samples))
+    assert scheduler.decode_cost.predict(10, 10_000) == pytest.approx(0.12, rel=0.05)
+
+
+async def test_ttft_slo_rejects_before_any_work_with_retry_after() -> None:
+    scheduler, bus, _ = _service(TSUKIMI_REJECTION="current", TSUKIMI_SLO_TTFT_MS="2000")
+    await _cluster(scheduler, _beat("p0", Role.PREFILL, queued=3000), _beat("d0", Role.DECODE))
+    reply = await scheduler.handle_submit(_submit("r1", 500))
+    assert not reply.accepted and reply.error_type == ErrorType.REJECTED and reply.reason_code == "ttft_slo"
+    assert reply.retry_after_s >= 1.0 and "time to first token" in reply.reason
+    assert bus.published == [] and scheduler.num_rejected == {"ttft_slo": 1}
+    # A request may tighten the SLO, never loosen it.
+    await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL, queued=0))
+    assert (await scheduler.handle_submit(_submit("r2", 300))).accepted
+    assert not (await scheduler.handle_submit(_submit("r3", 300, ttft_slo_s=0.05))).accepted
+
+
+async def test_predicted_mode_admits_what_current_load_would_refuse() -> None:
+    """Decode is full now, but its requests finish before this long prompt would reach it."""
+    results = {}
+    for mode in ("current", "predicted"):
+        scheduler, _, _ = _service(TSUKIMI_REJECTION=mode, TSUKIMI_SLO_TBT_MS="90", TSUKIMI_SLO_TTFT_MS="60000")
+        await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE))
+        for i in range(12):  # short prompts with 2 tokens each: decoding soon, done soon
+            assert (await scheduler.handle_submit(_submit(f"s{i}", 20, max_tokens=2))).accepted
+        reply = await scheduler.handle_submit(_submit("long", 4000))  # ~13 s of prefill before decode
+        results[mode] = reply
+    assert not results["current"].accepted and results["current"].reason_code == "tbt_slo"
+    assert results["predicted"].accepted
+
+
+async def test_conductor_trades_cache_hits_against_queues() -> None:
+    scheduler, bus, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_LOCAL_PREFILL_TOKENS="0")
+    hashes = list(range(1000, 1016))  # a 1024-token prompt's 16 blocks
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("p1", Role.PREFILL), _beat("d0", Role.DECODE),
+                   _beat("c0", Role.CACHE_STORE))
+    await scheduler.handle_kv_event(KvEvent("p1", 1, 0, "stored", hashes[:12]))
+    hit = await scheduler.handle_submit(_submit("r1", 1024, hashes=hashes))
+    assert hit.prefill_id == "p1"  # its local prefix saves most of the work
+    task = bus.on(bus.subjects.prefill_run("p1"))[-1]
+    assert isinstance(task, PrefillTask) and not task.fetch_from_pool
+    # p1 is now far busier: the cache hit no longer pays, p0 fetches the whole prefix from the pool instead.
+    await scheduler.handle_kv_event(KvEvent("c0", 1, 0, "stored", hashes))
+    await scheduler.handle_heartbeat(_beat("p1", Role.PREFILL, queued=6000))
+    other = await scheduler.handle_submit(_submit("r2", 1024, hashes=hashes))
+    assert other.prefill_id == "p0"
+    task = bus.on(bus.subjects.prefill_run("p0"))[-1]
+    assert isinstance(task, PrefillTask) and task.fetch_from_pool
+
+
+async def test_conductor_prefills_a_short_prompt_on_decode_when_prefill_is_busy() -> None:
+    scheduler, bus, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_LOCAL_PREFILL_TOKENS="128")
+    await _cluster(scheduler, _beat("p0", Role.PREFILL, queued=3000), _beat("d0", Role.DECODE))
+    reply = await scheduler.handle_submit(_submit("short", 40))
+    assert reply.prefill_id == "d0"
+    (task,) = bus.on(bus.subjects.decode_run("d0"))
+    assert isinstance(task, PrefillTask) and task.request_id == "short"
+    long_reply = await scheduler.handle_submit(_submit("long", 400))
+    assert long_reply.prefill_id == "p0"  # too long to prefill on decode
+
+
+@pytest.mark.parametrize("policy", ["random", "round_robin", "local_cache_aware"])
+async def test_every_policy_places_on_live_instances(policy: str) -> None:
+    scheduler, _, _ = _service(TSUKIMI_POLICY=policy)
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("p1", Role.PREFILL), _beat("d0", Role.DECODE))
+    replies = [await scheduler.handle_submit(_submit(f"r{i}")) for i in range(8)]
+    assert all(r.accepted and r.prefill_id in ("p0", "p1") and r.decode_id == "d0" for r in replies)
+    if policy == "round_robin":
+        assert [r.prefill_id for r in replies[:4]] == ["p0", "p1", "p0", "p1"]

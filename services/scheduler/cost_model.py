@@ -1,0 +1,111 @@
+"""The Conductor's cost models: prefill time from prompt shape and decode step time (TBT) from batch shape, both
+linear in a few features, refitted online from the step timings instances report in their heartbeats.
+
+Prefill: `t = a + b * new_tokens + c * attention_work`, where attention work is the sum over new tokens of the keys
+each attends to: `(L^2 - R^2) / 2` for a prompt of L tokens with R reused (DESIGN section 5's polynomial in L and R).
+Decode: `t = a + b * batch_size + c * total_context_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class LinearCostModel:
+    """`seconds = coef . [1, x1, x2]`, least squares over the last `window` samples, coefficients kept >= 0.
+
+    Args:
+        prior: coefficients used until `min_samples` samples arrive.
+        window: samples kept for the fit.
+        min_samples: samples needed before the fit replaces the prior.
+    """
+
+    def __init__(self, prior: Sequence[float], window: int = 512, min_samples: int = 8) -> None:
+        self.prior = np.asarray(prior, dtype=np.float64)
+        self.coef = self.prior.copy()
+        self.window, self.min_samples = window, min_samples
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._dirty = False
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def add(self, x1: float, x2: float, seconds: float) -> None:
+        """One measurement; malformed ones (negative, NaN) are ignored."""
+        if min(x1, x2, seconds) < 0 or not np.isfinite([x1, x2, seconds]).all():
+            return
+        self._samples.append((x1, x2, seconds))
+        self._dirty = True
+
+    def predict(self, x1: float, x2: float) -> float:
+        if self._dirty:
+            self._refit()
+        return float(self.coef @ np.array([1.0, x1, x2]))
+
+    def _refit(self) -> None:
+        self._dirty = False
+        if len(self._samples) < self.min_samples:
+            return
+        data = np.asarray(self._samples, dtype=np.float64)
+        features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        fitted = _nonnegative_least_squares(features, data[:, 2])
+        if fitted is not None:
+            self.coef = fitted
+
+
+def _nonnegative_least_squares(features: np.ndarray, target: np.ndarray) -> np.ndarray | None:
+    """Least squares with every coefficient >= 0: the best of the fits over each subset of columns (3 columns:
+    7 subsets) whose coefficients all come out non-negative. None when no subset fits."""
+    num_cols = features.shape[1]
+    best, best_error = None, np.inf
+    scale = np.maximum(np.abs(features).max(axis=0), 1e-12)  # conditions the solve; undone below
+    for mask in range(1, 1 << num_cols):
+        cols = [c for c in range(num_cols) if mask >> c & 1]
+        sub = features[:, cols] / scale[cols]
+        coef_sub, *_ = np.linalg.lstsq(sub, target, rcond=None)
+        if (coef_sub < 0).any():
+            continue
+        coef = np.zeros(num_cols)
+        coef[cols] = coef_sub / scale[cols]
+        error = float(np.sum((features @ coef - target) ** 2))
+        if error < best_error:
+            best, best_error = coef, error
+    return best
+
+
+def attention_work(num_tokens: int, num_reused: int) -> float:
+    """Keys attended to by the new tokens of a prompt of `num_tokens` with `num_reused` already cached."""
+    return (num_tokens * num_tokens - num_reused * num_reused) / 2.0
+
+
+class PrefillCostModel:
+    """Predicts a prompt's prefill seconds on one instance (every prefill instance shares the fit: same hardware)."""
+
+    def __init__(self) -> None:
+        # Prior: SmolLM2-135M fp32 on one CPU core: ~300 tokens/s, attention a minor term at these lengths.
+        self.model = LinearCostModel([0.02, 1 / 300, 1e-8])
+
+    def add_step(self, num_new_tokens: float, work: float, seconds: float) -> None:
+        self.model.add(num_new_tokens, work, seconds)
+
+    def predict(self, num_tokens: int, num_reused: int) -> float:
+        num_new = max(num_tokens - num_reused, 0)
+        return self.model.predict(num_new, attention_work(num_tokens, num_reused)) if num_new else 0.0
+
+
+class DecodeCostModel:
+    """Predicts a decode step's seconds (the time between tokens) from batch size and total context."""
+
+    def __init__(self) -> None:
+        # Prior: SmolLM2-135M fp32 on one CPU core: ~40 ms at batch 1, growing with batch and context.
+        self.model = LinearCostModel([0.04, 0.004, 2e-6])
+
+    def add_step(self, batch_size: float, context_tokens: float, seconds: float) -> None:
+        self.model.add(batch_size, context_tokens, seconds)
+
+    def predict(self, batch_size: int, context_tokens: int) -> float:
+        return self.model.predict(batch_size, context_tokens)

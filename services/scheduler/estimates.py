@@ -1,0 +1,115 @@
+"""What the scheduler predicts about the cluster at the moment of one decision: prefill queue time, a request's TTFT
+on each prefill instance (queue + compute + fetching the pool's prefix), and the TBT of each decode instance now or
+at the moment the request would reach it. Built from heartbeats, the block index and the cost models.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
+from services.scheduler.index import BlockIndex
+from shared.protocol import Heartbeat, SubmitRequest
+
+DEFAULT_LINK_BYTES_PER_S = 300e6  # loopback NATS, measured by benchmarks/kv_transfer.py, until prefill reports its own
+
+
+@dataclass
+class Tracked:
+    """A placed request as the scheduler predicts it: when it reaches decode and when it leaves."""
+
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    num_tokens: int
+    prefill_s: float  # predicted compute on its prefill instance
+    placed_at: float  # unix seconds
+    decode_start: float  # predicted unix time of its first decode step
+    decode_end: float  # predicted unix time of its last token (max_tokens at the predicted TBT)
+
+
+@dataclass
+class PrefillOption:
+    instance_id: str
+    num_local_blocks: int
+    num_pool_blocks: int
+    fetch_from_pool: bool
+    queue_s: float
+    compute_s: float
+    fetch_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.compute_s + self.fetch_s
+
+    @property
+    def num_reused_blocks(self) -> int:
+        return self.num_pool_blocks if self.fetch_from_pool else self.num_local_blocks
+
+
+@dataclass
+class ClusterView:
+    """Everything a placement policy may look at for one request."""
+
+    prefills: list[Heartbeat]
+    decodes: list[Heartbeat]
+    store_ids: list[str]
+    index: BlockIndex
+    prefill_cost: PrefillCostModel
+    decode_cost: DecodeCostModel
+    tracked: dict[str, Tracked]
+    block_size: int
+    balance_ratio: float
+    now: float = field(default_factory=time.time)
+
+    # ---- prefill ------------------------------------------------------------------------------------------------
+
+    def queue_s(self, beat: Heartbeat) -> float:
+        """Predicted seconds of prefill work ahead at this instance: what its heartbeat reports plus what was placed
+        there since (not in the heartbeat yet)."""
+        queued = beat.num_queued_tokens
+        since = sum(t.prefill_s for t in self.tracked.values()
+                    if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at)
+        return (self.prefill_cost.predict(queued, 0) if queued else 0.0) + since
+
+    def prefill_option(self, beat: Heartbeat, request: SubmitRequest, use_pool: bool) -> PrefillOption:
+        """TTFT on one prefill instance; with `use_pool`, fetch the pool's prefix when it is `balance_ratio` times
+        longer than the local one (DESIGN section 5), which also replicates a hot prefix onto this instance."""
+        hashes = request.block_hashes
+        usable = hashes[: max(len(request.prompt_ids) - 1, 0) // self.block_size]  # the last token is computed
+        local = self.index.prefix_len(beat.instance_id, usable)
+        pool = self.index.pool_prefix_len(self.store_ids, usable) if use_pool else 0
+        fetch = pool > local and pool >= self.balance_ratio * max(local, 1)
+        reused = (pool if fetch else local) * self.block_size
+        fetch_bytes = (pool - local) * beat.block_bytes if fetch else 0
+        rate = beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S
+        return PrefillOption(
+            beat.instance_id, local, pool, fetch, self.queue_s(beat),
+            self.prefill_cost.predict(len(request.prompt_ids), reused), fetch_bytes / rate,
+        )
+
+    def transfer_s(self, request: SubmitRequest, beat: Heartbeat) -> float:
+        """Moving the prompt's KV prefill -> decode (overlapped with compute layer by layer; what is left is about one
+        layer's share, but a slow link can make it the bottleneck)."""
+        num_blocks = -(-len(request.prompt_ids) // self.block_size)
+        return num_blocks * beat.block_bytes / (beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S)
+
+    # ---- decode -------------------------------------------------------------------------------------------------
+
+    def decode_batch(self, beat: Heartbeat, at_time: float | None) -> int:
+        """Sequences on this decode instance: now (heartbeat plus placements since), or predicted at `at_time`, when
+        requests now decoding may have finished (Mooncake's prediction-based early rejection)."""
+        mine = [t for t in self.tracked.values() if t.decode_id == beat.instance_id]
+        since = sum(1 for t in mine if t.placed_at > beat.sent_at)
+        now_count = beat.num_running + beat.num_waiting + since
+        if at_time is None:
+            return now_count
+        untracked = max(now_count - len(mine), 0)  # e.g. placed before this scheduler started
+        return untracked + sum(1 for t in mine if t.decode_end > at_time)
+
+    def tbt_s(self, beat: Heartbeat, at_time: float | None, extra_tokens: int) -> float:
+        """Predicted step time with this request added (`extra_tokens` of context)."""
+        batch = self.decode_batch(beat, at_time) + 1
+        context = beat.kv_blocks_used * self.block_size + extra_tokens
+        return self.decode_cost.predict(batch, context)

@@ -1,0 +1,192 @@
+"""The scheduler service: the global view of instances (heartbeats, their step timings) and caches (KV events,
+snapshots), and for each submitted request a placement by the configured policy and admission against the SLOs.
+
+Placement logic is `policies.py`, predictions `estimates.py`, admission `admission.py`; this module wires them to NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+
+from services.scheduler.admission import Slos, admit
+from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
+from services.scheduler.estimates import ClusterView, Tracked
+from services.scheduler.index import BlockIndex
+from services.scheduler.policies import Placement, Policy, make_policy
+from shared.bus import Bus, BusError
+from shared.config import Settings
+from shared.heartbeat import LiveInstances
+from shared.log import get_logger
+from shared.protocol import (
+    SCHEDULER_QUEUE,
+    Cancel,
+    ErrorType,
+    Heartbeat,
+    KvEvent,
+    Message,
+    PrefillTask,
+    Role,
+    Snapshot,
+    SnapshotRequest,
+    StreamEvent,
+    SubmitReply,
+    SubmitRequest,
+)
+
+log = get_logger(__name__)
+TRACK_GRACE_S = 5.0  # a tracked request absent from every heartbeat this long after placement has finished
+
+
+class SchedulerService:
+    """Answers `sched.submit` with a placement or a rejection; tracks instances, their speed, and every cache.
+
+    Args:
+        settings: service settings (policy, SLOs, rejection mode, instance timeout, block size).
+        bus: the NATS connection.
+        clock: monotonic seconds for instance liveness (tests pass their own).
+        policy: overrides the configured policy (tests).
+    """
+
+    def __init__(self, settings: Settings, bus: Bus, clock: Callable[[], float] = time.monotonic,
+                 policy: Policy | None = None) -> None:
+        self.settings, self.bus = settings, bus
+        self.instances = LiveInstances(settings.instance_timeout_s, clock)
+        self.index = BlockIndex()
+        self.prefill_cost, self.decode_cost = PrefillCostModel(), DecodeCostModel()
+        self.policy = policy or make_policy(settings.policy, settings.local_prefill_tokens, settings.slo_tbt_s)
+        self.slos = Slos(settings.slo_ttft_s, settings.slo_tbt_s, settings.rejection)
+        self.tracked: dict[str, Tracked] = {}
+        self.num_rejected: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._monitor: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        s = self.bus.subjects
+        await self.bus.serve(s.submit, self.handle_submit, queue=SCHEDULER_QUEUE)
+        await self.bus.serve(s.heartbeat, self.handle_heartbeat)
+        await self.bus.serve(s.kv_events_all, self.handle_kv_event)
+        await self.bus.serve(s.cancel, self.handle_cancel)
+        self._monitor = asyncio.create_task(self._watch_instances())
+        log.info("scheduling", policy=self.policy.name, rejection=self.slos.mode,
+                 slo_ttft_s=self.slos.ttft_s, slo_tbt_s=self.slos.tbt_s)
+
+    async def stop(self) -> None:
+        for task in [self._monitor, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._monitor, *self._tasks] if t is not None), return_exceptions=True)
+
+    def view(self) -> ClusterView:
+        return ClusterView(
+            self.instances.alive(Role.PREFILL), self.instances.alive(Role.DECODE),
+            [b.instance_id for b in self.instances.alive(Role.CACHE_STORE)], self.index, self.prefill_cost,
+            self.decode_cost, self.tracked, self.settings.engine.block_size, self.settings.cache_balance_ratio,
+        )
+
+    async def handle_submit(self, msg: Message) -> SubmitReply:
+        assert isinstance(msg, SubmitRequest)
+        view = self.view()
+        for role, alive in ((Role.PREFILL, view.prefills), (Role.DECODE, view.decodes)):
+            if not alive:
+                return self._reject(msg, ErrorType.UNAVAILABLE, f"no_{role}", f"no {role} instance is alive", 1.0)
+        placement = self.policy.place(msg, view)
+        verdict = admit(msg, placement, view, self.slos)
+        if not verdict.accepted:
+            return self._reject(msg, ErrorType.REJECTED, verdict.reason_code, verdict.reason, verdict.retry_after_s)
+        await self._dispatch(msg, placement)
+        return SubmitReply(msg.request_id, True, placement.prefill.instance_id, placement.decode_id)
+
+    def _reject(self, msg: SubmitRequest, error_type: ErrorType, code: str, reason: str, retry_s: float) -> SubmitReply:
+        self.num_rejected[code] = self.num_rejected.get(code, 0) + 1
+        log.warning("rejected", request_id=msg.request_id, reason_code=code, reason=reason)
+        return SubmitReply(msg.request_id, False, error_type=error_type, reason=reason, retry_after_s=retry_s,
+                           reason_code=code)
+
+    async def _dispatch(self, msg: SubmitRequest, placement: Placement) -> None:
+        option = placement.prefill
+        task = PrefillTask(msg.request_id, msg.prompt_ids, msg.block_hashes, msg.sampling, placement.decode_id,
+                           msg.arrival_time, option.fetch_from_pool)
+        subjects = self.bus.subjects
+        subject = subjects.decode_run(placement.decode_id) if placement.on_decode else subjects.prefill_run(
+            option.instance_id)
+        now = time.time()
+        decode_start = now + option.ttft_s
+        self.tracked[msg.request_id] = Tracked(
+            msg.request_id, option.instance_id, placement.decode_id, len(msg.prompt_ids), option.compute_s, now,
+            decode_start, decode_start + msg.sampling.max_tokens * placement.tbt_s,
+        )
+        await self.bus.publish(subject, task)
+        log.info("placed", request_id=msg.request_id, policy=self.policy.name, prefill=option.instance_id,
+                 decode=placement.decode_id, on_decode=placement.on_decode, prompt_tokens=len(msg.prompt_ids),
+                 reused_blocks=option.num_reused_blocks, fetch_from_pool=option.fetch_from_pool,
+                 predicted_ttft_s=round(option.ttft_s, 4), predicted_tbt_s=round(placement.tbt_s, 4))
+
+    async def handle_heartbeat(self, msg: Message) -> None:
+        assert isinstance(msg, Heartbeat)
+        if self.instances.record(msg):
+            log.info("instance joined", instance_id=msg.instance_id, role=msg.role, epoch=msg.epoch)
+        if msg.role not in (Role.PREFILL, Role.DECODE):
+            return
+        cost = self.prefill_cost if msg.role == Role.PREFILL else self.decode_cost
+        for sample in msg.samples:
+            if len(sample) == 3:
+                cost.add_step(*sample)
+        self._prune_tracked()
+
+    def _prune_tracked(self) -> None:
+        """Drop tracked requests that no instance holds any more (finished, failed or cancelled)."""
+        held = {r for beat in self.instances.alive() for r in beat.request_ids}
+        cutoff = time.time() - TRACK_GRACE_S
+        for request_id, tracked in list(self.tracked.items()):
+            if request_id not in held and tracked.placed_at < cutoff:
+                del self.tracked[request_id]
+
+    async def handle_kv_event(self, msg: Message) -> None:
+        assert isinstance(msg, KvEvent)
+        if self.index.apply(msg):
+            self._spawn(self._resync(msg.instance_id))
+
+    async def _resync(self, instance_id: str) -> None:
+        try:
+            snapshot = await self.bus.request(
+                self.bus.subjects.snapshot(instance_id), SnapshotRequest(instance_id), Snapshot, timeout_s=5.0)
+        except BusError as exc:
+            log.warning("resync failed; forgetting the instance's blocks", instance_id=instance_id, error=str(exc))
+            self.index.resync_failed(instance_id)
+            return
+        self.index.load_snapshot(snapshot)
+        log.info("resynced", instance_id=instance_id, epoch=snapshot.epoch, blocks=len(snapshot.block_hashes))
+
+    async def handle_cancel(self, msg: Message) -> None:
+        assert isinstance(msg, Cancel)
+        self.tracked.pop(msg.request_id, None)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_instances(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.instance_timeout_s / 5)
+            for beat in self.instances.forget_silent():
+                await self._fail_instance(beat)
+
+    async def _fail_instance(self, beat: Heartbeat) -> None:
+        """An instance stopped beating: fail every request it may hold (failing a finished one is harmless:
+        nobody listens any more)."""
+        held = set(beat.request_ids) | {
+            t.request_id for t in self.tracked.values()
+            if beat.instance_id in (t.prefill_id, t.decode_id) and t.placed_at > beat.sent_at
+        }
+        self.index.forget(beat.instance_id)
+        log.warning("instance lost", instance_id=beat.instance_id, role=beat.role, failed_requests=len(held))
+        for request_id in sorted(held):
+            self.tracked.pop(request_id, None)
+            event = StreamEvent(
+                request_id, index=-1, token_ids=[], text="", error_type=ErrorType.UNAVAILABLE,
+                error=f"{beat.role} instance {beat.instance_id} stopped responding",
+            )
+            await self.bus.publish(self.bus.subjects.stream(request_id), event)

@@ -1,0 +1,39 @@
+"""The Conductor's cost models recover known coefficients from noisy step timings and never go negative."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler.cost_model import DecodeCostModel, LinearCostModel, PrefillCostModel, attention_work
+
+
+def test_prefill_fit_recovers_a_known_model() -> None:
+    rng = random.Random(0)
+    model = PrefillCostModel()
+    prior = model.predict(1000, 0)
+    for _ in range(200):
+        n = rng.randint(16, 2048)
+        r = rng.randint(0, n)
+        truth = 0.01 + (n - r) / 500 + attention_work(n, r) * 5e-8
+        model.add_step(n - r, attention_work(n, r), truth * rng.uniform(0.9, 1.1))
+    assert model.predict(1000, 0) == pytest.approx(0.01 + 2.0 + 0.025, rel=0.05)
+    assert model.predict(1000, 0) != pytest.approx(prior, rel=0.05)
+    assert model.predict(1000, 1000) == 0.0  # fully cached: nothing to compute
+    assert model.predict(2000, 1000) < model.predict(2000, 0)
+
+
+def test_decode_fit_and_nonnegative_coefficients() -> None:
+    model = DecodeCostModel()
+    for batch in range(1, 33):
+        model.add_step(batch, 500.0 * batch, 0.03 + 0.002 * batch)  # no context term at all
+    assert model.predict(16, 8000) == pytest.approx(0.062, rel=0.02)
+    assert (model.model.coef >= 0).all()
+
+
+def test_bad_samples_are_ignored_and_the_prior_holds_until_enough() -> None:
+    model = LinearCostModel([1.0, 0.0, 0.0], min_samples=4)
+    for sample in [(-1.0, 0.0, 1.0), (1.0, float("nan"), 1.0), (1.0, 1.0, 5.0)]:
+        model.add(*sample)
+    assert model.num_samples == 1 and model.predict(1.0, 1.0) == 1.0
