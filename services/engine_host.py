@@ -73,13 +73,6 @@ class EngineHost(Generic[R]):
 
 
 def block_to_bytes(block: torch.Tensor) -> bytes:
-    """A KV block (any dtype) as raw bytes, C order."""
+    """A KV block as the cache-store keeps it: raw bytes, C order, of `export_blocks`' one-block slice
+    [num_layers, 2, kv_heads, 1, block_size, head_dim] (layer-major, so `PrefixLoad` reads it back layer by layer)."""
     return block.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def block_from_bytes(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `block_to_bytes`. Raises ValueError when the size does not fit the shape."""
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if len(data) != expected:
-        raise ValueError(f"a block of shape {shape} in {dtype} has {expected} bytes, got {len(data)}")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)

@@ -1,97 +1,27 @@
-"""KV block identity (the chained block hash of docs/block-hash.md) and the paged block manager.
+"""The paged block manager; also re-exports the chained block hash of docs/block-hash.md (`shared.block_hash`).
 
-Owns block ids, reference counts, the prefix-cache index and its LRU; owns no tensors (no torch here).
+Owns block ids, reference counts, the prefix-cache index, its LRU and the events that report the index's changes;
+owns no tensors (no torch here).
 """
 
 from __future__ import annotations
 
-import struct
-import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
+# The hash functions are re-exported: services import them from here.
+from shared.block_hash import block_hashes, chain_hash, hash_block, le_bytes, make_namespace, u32_tokens
 
-NAMESPACE_VERSION = "tsukimi/v1"
-_PARENT = struct.Struct("<Q")  # the parent hash: 8 bytes, little-endian
-_U32 = next(code for code in ("I", "L") if array(code).itemsize == 4)
-_IS_BIG_ENDIAN = sys.byteorder == "big"
+__all__ = [
+    "REMOVED", "STORED", "BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks",
+    "block_hashes", "hash_block", "make_namespace",
+]
 
-
-def make_namespace(model_fingerprint: str, kv_codec: str) -> bytes:
-    """The namespace bytes that seed every hash chain: UTF-8 of ``"tsukimi/v1|<fingerprint>|<codec>"``.
-
-    Args:
-        model_fingerprint: identifies the model weights (for example a digest of the GGUF file).
-        kv_codec: the KV codec name (``"fp16"``, a KVQuant codec, ...); codecs never share block ids.
-
-    Raises:
-        ValueError: a field is empty or contains ``"|"`` (the encoding would be ambiguous).
-    """
-    for name, value in (("model_fingerprint", model_fingerprint), ("kv_codec", kv_codec)):
-        if not value or "|" in value:
-            raise ValueError(f"{name} must be non-empty and must not contain '|': {value!r}")
-    return f"{NAMESPACE_VERSION}|{model_fingerprint}|{kv_codec}".encode()
-
-
-def _u32_array(token_ids: Sequence[int]) -> array[int]:
-    try:
-        return array(_U32, token_ids)
-    except OverflowError as exc:
-        raise ValueError(f"token ids must lie in [0, 2**32): {exc}") from exc
-
-
-def _le_bytes(tokens: array[int]) -> bytes:
-    if _IS_BIG_ENDIAN:
-        tokens = array(_U32, tokens)
-        tokens.byteswap()
-    return tokens.tobytes()
-
-
-def _chain(parent: int | None, block_bytes: bytes, namespace: bytes) -> int:
-    if parent is None:
-        return xxhash.xxh3_64_intdigest(namespace + block_bytes)
-    try:
-        prefix = _PARENT.pack(parent)
-    except struct.error as exc:
-        raise ValueError(f"parent hash must lie in [0, 2**64): {parent!r}") from exc
-    return xxhash.xxh3_64_intdigest(prefix + block_bytes)
-
-
-def hash_block(parent: int | None, token_ids: Sequence[int], namespace: bytes) -> int:
-    """One block's id: ``xxh3_64(namespace || tokens)`` for a first block, else ``xxh3_64(parent || tokens)``.
-
-    Args:
-        parent: the previous block's id (an unsigned 64-bit int), or None for the first block of a sequence.
-        token_ids: the block's tokens, each encoded as a little-endian uint32.
-        namespace: from ``make_namespace``; hashed only into a first block (later ones inherit it via parent).
-
-    Raises:
-        ValueError: token_ids is empty, a token or the parent is out of range.
-    """
-    if len(token_ids) == 0:
-        raise ValueError("a block holds at least one token")
-    return _chain(parent, _le_bytes(_u32_array(token_ids)), namespace)
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[int]:
-    """The chained ids of the full blocks of ``token_ids``; a partial tail block has no id.
-
-    Raises:
-        ValueError: block_size is not positive or a token is out of range.
-    """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive: {block_size}")
-    data = _le_bytes(_u32_array(token_ids))
-    step = 4 * block_size
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(data) - step + 1, step):
-        parent = _chain(parent, data[start : start + step], namespace)
-        hashes.append(parent)
-    return hashes
+STORED, REMOVED = "stored", "removed"  # BlockManager event kinds, named as the KvEvent kinds they become
+# Called with (STORED or REMOVED, block hashes) each time blocks enter or leave the prefix-cache index.
+BlockEventHook = Callable[[str, list[int]], None]
 
 
 class OutOfBlocks(Exception):
@@ -110,7 +40,9 @@ class _Seq:
     token_ids: array[int]
     block_ids: list[int]
     num_computed: int
+    num_published: int  # leading blocks already registered, or found registered elsewhere (reused or duplicate)
     hashes: list[int] = field(default_factory=list)  # chained ids of the first len(hashes) full blocks
+    is_loading: bool = False  # blocks from num_published on wait for KV written from outside (start_loading)
 
 
 class BlockManager:
@@ -120,9 +52,15 @@ class BlockManager:
     the prefix index, waiting in an LRU, evictable), or referenced by one or more sequences. Only full blocks
     whose KV the caller reported computed (``mark_computed``) are registered, so a reused block holds valid
     KV. Operations cost O(1) per block touched, plus O(block_size) per block hashed.
+
+    Blocks whose KV is loaded from outside (``start_loading``) stay unregistered until ``finish_loading``.
+    ``on_event`` (settable) hears every change of the index: ``(STORED, hashes)`` on registration, ``(REMOVED,
+    hashes)`` on eviction; a listener that replays them knows the index exactly.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, namespace: bytes = b"") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, namespace: bytes = b"", on_event: BlockEventHook | None = None
+    ) -> None:
         """Raises ValueError if num_blocks or block_size is not positive."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive: {num_blocks}, {block_size}")
@@ -138,6 +76,7 @@ class BlockManager:
         self._seqs: dict[Hashable, _Seq] = {}
         self._num_evictions = 0
         self._num_reused_blocks_total = 0
+        self.on_event = on_event
 
     @property
     def num_blocks(self) -> int:
@@ -168,7 +107,7 @@ class BlockManager:
 
         Only full blocks inside ``token_ids[:-1]`` count: the caller must always compute the last token.
         """
-        reused, _ = self._match_prefix(_u32_array(token_ids))
+        reused, _ = self._match_prefix(u32_tokens(token_ids))
         return len(reused) * self._block_size
 
     def blocks_needed(self, token_ids: Sequence[int]) -> int:
@@ -177,7 +116,7 @@ class BlockManager:
         That is the fresh blocks past the reused prefix plus the reused blocks now cached-unreferenced (they
         leave the evictable LRU), so ``allocate`` succeeds iff ``blocks_needed(t) <= num_free_blocks``.
         """
-        tokens = _u32_array(token_ids)
+        tokens = u32_tokens(token_ids)
         reused, _ = self._match_prefix(tokens)
         return self._pool_cost(len(tokens), reused)
 
@@ -221,7 +160,7 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        tokens = _u32_array(token_ids)
+        tokens = u32_tokens(token_ids)
         if len(tokens) == 0:
             raise ValueError("cannot allocate an empty sequence")
         reused, hashes = self._match_prefix(tokens)
@@ -234,7 +173,7 @@ class BlockManager:
             self._ref_counts[block_id] += 1
         fresh = self._take_fresh(self._num_blocks_for(len(tokens)) - len(reused))
         num_reused = len(reused) * self._block_size
-        self._seqs[seq_id] = _Seq(tokens, reused + fresh, num_reused, hashes)
+        self._seqs[seq_id] = _Seq(tokens, reused + fresh, num_reused, len(reused), hashes)
         self._num_reused_blocks_total += len(reused)
         return num_reused
 
@@ -247,7 +186,7 @@ class BlockManager:
             OutOfBlocks: not enough free blocks; no state changes.
         """
         seq = self._seqs[seq_id]
-        tokens = _u32_array(token_ids)
+        tokens = u32_tokens(token_ids)
         needed = self._num_new_blocks(seq, len(tokens))
         if needed > self.num_free_blocks:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {needed} more blocks, {self.num_free_blocks} free")
@@ -258,7 +197,8 @@ class BlockManager:
         """Record that KV is now written for the sequence's first ``num_computed_tokens`` tokens.
 
         Every full block newly inside that range is registered in the prefix index under its chained hash,
-        unless another block already holds that hash (that registration stays; this copy stays private).
+        unless another block already holds that hash (that registration stays; this copy stays private). While the
+        sequence is loading, registration waits for ``finish_loading``.
 
         Raises:
             KeyError: unknown seq_id.
@@ -268,16 +208,49 @@ class BlockManager:
         if not seq.num_computed <= num_computed_tokens <= len(seq.token_ids):
             bounds = f"[{seq.num_computed}, {len(seq.token_ids)}]"
             raise ValueError(f"num_computed_tokens {num_computed_tokens} outside {bounds}")
-        size = self._block_size
-        end = num_computed_tokens // size
-        self._extend_hashes(seq, end)
-        for i in range(seq.num_computed // size, end):
-            block_hash, block_id = seq.hashes[i], seq.block_ids[i]
-            if block_hash not in self._index:
-                self._index[block_hash] = block_id
-                self._block_hash[block_id] = block_hash
-                self._block_tokens[block_id] = seq.token_ids[i * size : (i + 1) * size]
         seq.num_computed = num_computed_tokens
+        self._publish(seq)
+
+    def start_loading(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Declare that the KV of tokens [num_computed, num_tokens) will be written from outside (a fetched prefix).
+
+        They count as computed at once (the caller computes only what follows), but their blocks and every block after
+        them stay out of the prefix index, so no sequence reuses KV that has not arrived, until ``finish_loading``.
+        To give up on the load, ``free`` the sequence: its blocks go back unregistered.
+
+        Raises:
+            KeyError: unknown seq_id.
+            ValueError: already loading, the computed count or num_tokens is not a whole number of blocks, or
+                num_tokens is not past the computed count and within the sequence.
+        """
+        seq = self._seqs[seq_id]
+        size = self._block_size
+        if seq.is_loading or seq.num_computed % size or num_tokens % size:
+            raise ValueError(f"cannot load {num_tokens} tokens into {seq_id!r} (computed {seq.num_computed})")
+        if not seq.num_computed < num_tokens <= len(seq.token_ids):
+            raise ValueError(f"num_tokens {num_tokens} outside ({seq.num_computed}, {len(seq.token_ids)}]")
+        seq.num_computed, seq.is_loading = num_tokens, True
+
+    def finish_loading(self, seq_id: Hashable) -> None:
+        """The loaded KV is in: register the loaded blocks and the computed full blocks after them.
+
+        Raises:
+            KeyError: unknown seq_id.
+            ValueError: the sequence is not loading.
+        """
+        seq = self._seqs[seq_id]
+        if not seq.is_loading:
+            raise ValueError(f"sequence {seq_id!r} is not loading")
+        seq.is_loading = False
+        self._publish(seq)
+
+    def is_loading(self, seq_id: Hashable) -> bool:
+        """Raises KeyError for an unknown seq_id."""
+        return self._seqs[seq_id].is_loading
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix-cache index (what a snapshot of this cache lists)."""
+        return list(self._index)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence; each of its blocks loses a reference.
@@ -317,7 +290,7 @@ class BlockManager:
         parent: int | None = None
         for i in range((len(tokens) - 1) // size):
             block_tokens = tokens[i * size : (i + 1) * size]
-            parent = _chain(parent, _le_bytes(block_tokens), self._namespace)
+            parent = chain_hash(parent, le_bytes(block_tokens), self._namespace)
             hashes.append(parent)
             block_id = self._index.get(parent)
             # A hit whose stored tokens differ is a 64-bit hash collision: treat it as a miss.
@@ -326,16 +299,35 @@ class BlockManager:
             reused.append(block_id)
         return reused, hashes
 
+    def _publish(self, seq: _Seq) -> None:
+        """Register the sequence's computed full blocks not yet registered (none while it is loading)."""
+        size, end = self._block_size, seq.num_computed // self._block_size
+        if seq.is_loading or end <= seq.num_published:
+            return
+        self._extend_hashes(seq, end)
+        stored: list[int] = []
+        for i in range(seq.num_published, end):
+            block_hash, block_id = seq.hashes[i], seq.block_ids[i]
+            if block_hash not in self._index:
+                self._index[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_tokens[block_id] = seq.token_ids[i * size : (i + 1) * size]
+                stored.append(block_hash)
+        seq.num_published = end
+        if stored and self.on_event is not None:
+            self.on_event(STORED, stored)
+
     def _extend_hashes(self, seq: _Seq, num_full_blocks: int) -> None:
         size = self._block_size
         for i in range(len(seq.hashes), num_full_blocks):
             parent = seq.hashes[i - 1] if i > 0 else None
-            block_bytes = _le_bytes(seq.token_ids[i * size : (i + 1) * size])
-            seq.hashes.append(_chain(parent, block_bytes, self._namespace))
+            block_bytes = le_bytes(seq.token_ids[i * size : (i + 1) * size])
+            seq.hashes.append(chain_hash(parent, block_bytes, self._namespace))
 
     def _take_fresh(self, count: int) -> list[int]:
         """Take ``count`` blocks, free list first, then evicting least recently freed cached ones."""
         taken: list[int] = []
+        removed: list[int] = []
         for _ in range(count):
             if self._free:
                 block_id = self._free.popleft()
@@ -345,8 +337,11 @@ class BlockManager:
                 self._block_hash[block_id] = None
                 self._block_tokens[block_id] = None
                 self._num_evictions += 1
+                removed.append(block_hash)
             self._ref_counts[block_id] = 1
             taken.append(block_id)
+        if removed and self.on_event is not None:
+            self.on_event(REMOVED, removed)
         return taken
 
     def check_invariants(self) -> None:
@@ -383,11 +378,14 @@ class BlockManager:
         _require(len(set(seq.block_ids)) == len(seq.block_ids), f"{seq_id!r}: a block twice in one table")
         _require(0 <= seq.num_computed <= len(seq.token_ids), f"{seq_id!r}: num_computed out of range")
         _require(seq.hashes == expected[: len(seq.hashes)], f"{seq_id!r}: stale chained hashes")
+        num_full = seq.num_computed // size
+        _require(seq.num_published <= num_full, f"{seq_id!r}: published past the computed blocks")
+        _require(seq.is_loading or seq.num_published == num_full, f"{seq_id!r}: computed blocks left unpublished")
         for i, block_id in enumerate(seq.block_ids):
             if self._block_hash[block_id] is None:
                 continue
             where = f"{seq_id!r} block {i} (id {block_id})"
-            _require((i + 1) * size <= seq.num_computed, f"{where}: registered but not computed")
+            _require(i < seq.num_published, f"{where}: registered but not computed (or still loading)")
             _require(self._block_hash[block_id] == expected[i], f"{where}: hash mismatch")
             tokens = seq.token_ids[i * size : (i + 1) * size]
             _require(self._block_tokens[block_id] == tokens, f"{where}: holds other tokens")

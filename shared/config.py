@@ -42,7 +42,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_DTYPE", "fp32", "weights and KV cache: fp32, bf16 or fp16"),
         EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch or triton"),
         EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
-        EnvVar("TSUKIMI_KV_CACHE_MB", "256", "paged KV pool of a prefill or decode instance, MiB"),
+        EnvVar("TSUKIMI_KV_CACHE_MB", "512", "KV pool of a prefill or decode instance, MiB (SmolLM2 fp32: 11k tokens)"),
         EnvVar("TSUKIMI_BLOCK_SIZE", "64", "tokens per KV block"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
@@ -69,6 +69,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_CACHE_SHARDS", "1", "number of cache-store shards (blocks go to hash % shards)"),
         EnvVar("TSUKIMI_CACHE_DRAM_MB", "1024", "cache-store DRAM tier, MiB"),
         EnvVar("TSUKIMI_CACHE_SSD_DIR", "", "cache-store SSD tier folder (empty: no SSD tier)"),
+        EnvVar("TSUKIMI_CACHE_SSD_MB", "4096", "cache-store SSD tier, MiB of block files"),
+        EnvVar("TSUKIMI_CACHE_SSD_ADMIT_SEEN", "2",
+               "a block leaving DRAM goes to SSD only if put or asked for this often (1: always)"),
     ]
 }
 
@@ -104,6 +107,8 @@ class Settings:
     cache_shards: int
     cache_dram_bytes: int
     cache_ssd_dir: str | None
+    cache_ssd_bytes: int
+    cache_ssd_admit_seen: int
 
 
 def load_settings(
@@ -173,6 +178,8 @@ def load_settings(
         cache_shards=shards,
         cache_dram_bytes=get.integer("TSUKIMI_CACHE_DRAM_MB", minimum=1) << 20,
         cache_ssd_dir=get.text("TSUKIMI_CACHE_SSD_DIR") or None,
+        cache_ssd_bytes=get.integer("TSUKIMI_CACHE_SSD_MB", minimum=1) << 20,
+        cache_ssd_admit_seen=get.integer("TSUKIMI_CACHE_SSD_ADMIT_SEEN", minimum=1),
     )
 
 

@@ -52,9 +52,16 @@ class LinearCostModel:
             return
         data = np.asarray(self._samples, dtype=np.float64)
         features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        fitted = _nonnegative_least_squares(features, data[:, 2])
+        # A feature that never varied (every sample at batch 1, say) says nothing about its coefficient: keep the
+        # prior's there (a decode step does get slower with batch size), fit the rest to what is left.
+        fixed = [c for c in (1, 2) if np.ptp(features[:, c]) <= 1e-9 * max(np.abs(features[:, c]).max(), 1.0)]
+        free = [c for c in range(3) if c not in fixed]
+        target = data[:, 2] - features[:, fixed] @ self.prior[fixed]
+        fitted = _nonnegative_least_squares(features[:, free], target)
         if fitted is not None:
-            self.coef = fitted
+            coef = self.prior.copy()
+            coef[free] = fitted
+            self.coef = coef
 
 
 def _nonnegative_least_squares(features: np.ndarray, target: np.ndarray) -> np.ndarray | None:

@@ -107,9 +107,10 @@ class ConductorPolicy:
 
     def place(self, request: SubmitRequest, view: ClusterView) -> Placement:
         options = [view.prefill_option(b, request, use_pool=True) for b in view.prefills]
-        best = min(options, key=lambda o: (o.ttft_s, o.instance_id))
+        best = min(options, key=lambda o: (o.ttft_s, o.queue_s, o.instance_id))
         best = self._herd_guard(best, options, view)
-        decode = min(view.decodes, key=lambda b: (view.tbt_s(b, None, len(request.prompt_ids)), b.instance_id))
+        decode = min(view.decodes, key=lambda b: (view.tbt_s(b, None, len(request.prompt_ids)),
+                                                  view.decode_batch(b, None), b.instance_id))
         tbt = view.tbt_s(decode, None, len(request.prompt_ids))
         on_decode = self._prefill_on_decode(request, view, best, decode)
         return Placement(on_decode or best, decode.instance_id, on_decode is not None, tbt)

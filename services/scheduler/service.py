@@ -125,8 +125,11 @@ class SchedulerService:
 
     async def handle_heartbeat(self, msg: Message) -> None:
         assert isinstance(msg, Heartbeat)
+        previous = self.instances.instances.get(msg.instance_id)
         if self.instances.record(msg):
             log.info("instance joined", instance_id=msg.instance_id, role=msg.role, epoch=msg.epoch)
+            if previous is not None:  # restarted before its silence was noticed: what the old process held is lost
+                await self._fail_instance(previous.last, forget_cache=False)
         if msg.role not in (Role.PREFILL, Role.DECODE):
             return
         cost = self.prefill_cost if msg.role == Role.PREFILL else self.decode_cost
@@ -174,14 +177,15 @@ class SchedulerService:
             for beat in self.instances.forget_silent():
                 await self._fail_instance(beat)
 
-    async def _fail_instance(self, beat: Heartbeat) -> None:
-        """An instance stopped beating: fail every request it may hold (failing a finished one is harmless:
-        nobody listens any more)."""
+    async def _fail_instance(self, beat: Heartbeat, forget_cache: bool = True) -> None:
+        """An instance stopped beating (or restarted): fail every request it may hold (failing a finished one is
+        harmless: nobody listens any more)."""
         held = set(beat.request_ids) | {
             t.request_id for t in self.tracked.values()
             if beat.instance_id in (t.prefill_id, t.decode_id) and t.placed_at > beat.sent_at
         }
-        self.index.forget(beat.instance_id)
+        if forget_cache:
+            self.index.forget(beat.instance_id)
         log.warning("instance lost", instance_id=beat.instance_id, role=beat.role, failed_requests=len(held))
         for request_id in sorted(held):
             self.tracked.pop(request_id, None)

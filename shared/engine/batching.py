@@ -1,6 +1,7 @@
 """Continuous batching: which sequences run in the next step and how many of their tokens (chunked prefill).
 
-Owns the waiting queue, the running set and admission against the block manager; it does not touch tensors.
+Owns the waiting queue, the running set, admission against the block manager and the start and end of prefix loads
+(`prefix_load`); it does not touch tensors.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.blocks import BlockManager, OutOfBlocks
+from shared.engine.prefix_load import PrefixLoad
 from shared.engine.sequence import Sequence, SequenceStatus
 
 
@@ -24,6 +26,12 @@ class ScheduledChunk:
         """After this chunk every known token has KV, so the sequence is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def attention_work(self) -> int:
+        """Keys this chunk's tokens attend to, summed: each new token sees every earlier token and itself."""
+        n, before = self.num_tokens, self.seq.num_computed_tokens
+        return n * before + n * (n + 1) // 2
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -37,6 +45,11 @@ class Scheduler:
     When the pool cannot hold one more token for a running sequence, the most recently admitted one is preempted:
     its blocks are freed and it goes back to the front of the queue to be recomputed (its full blocks usually come
     back from the prefix cache).
+
+    A sequence with a `prefix_source` starts loading, at admission, the prefix blocks the local cache lacks; they
+    count as computed, so the step computes only the rest (waiting per layer, see `PrefixLoad`). The step settles
+    the load: complete, the loaded blocks are registered like computed ones; failed, the sequence is restarted
+    without the source, to be computed from its local prefix.
     """
 
     def __init__(
@@ -68,6 +81,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is and free its blocks."""
+        _end_load(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -101,12 +115,26 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.num_computed_tokens = seq.num_cached_tokens = self._start_load(seq, cached)
             self.running.append(seq)
             num = min(seq.num_uncomputed_tokens, budget)
             budget -= num
             (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
         return StepPlan(decode + prefill, preempted)
+
+    def _start_load(self, seq: Sequence, num_cached: int) -> int:
+        """Start loading the prefix beyond the local cache, if the sequence has a source; returns the tokens that now
+        count as computed."""
+        source, size = seq.prefix_source, self.block_manager.block_size
+        if source is None or source.num_tokens <= num_cached or not self.enable_prefix_caching:
+            return num_cached
+        block_ids = self.block_manager.block_ids(seq.request_id)[num_cached // size : source.num_tokens // size]
+        load = source.start(num_cached // size, block_ids)
+        if load is None:
+            return num_cached
+        self.block_manager.start_loading(seq.request_id, source.num_tokens)
+        seq.prefix_load = load
+        return source.num_tokens
 
     def _reserve_slots(self, seq: Sequence, preempted: list[Sequence]) -> bool:
         """Make the block table cover every known token, preempting later sequences if needed."""
@@ -122,15 +150,39 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        _end_load(seq)
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
-    def finish_step(self, plan: StepPlan) -> None:
-        """Record that the planned chunks were computed (and, with prefix caching, publish their full blocks)."""
+    def finish_step(self, plan: StepPlan) -> list[Sequence]:
+        """Record that the planned chunks were computed (and, with prefix caching, publish their full blocks).
+
+        Returns:
+            The sequences whose prefix load failed: their step's results are void; they wait to be recomputed.
+        """
+        restarted = []
         for chunk in plan.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            seq = chunk.seq
+            load = _end_load(seq)
+            if load is not None and not load.is_complete:
+                self._preempt(seq)
+                seq.prefix_source = None
+                restarted.append(seq)
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
             if self.enable_prefix_caching:
-                self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.num_computed_tokens)
+                self.block_manager.mark_computed(seq.request_id, seq.num_computed_tokens)
+            if load is not None:
+                self.block_manager.finish_loading(seq.request_id)
+        return restarted
+
+
+def _end_load(seq: Sequence) -> PrefixLoad | None:
+    """Detach the sequence's prefix load, if any, after which it writes nothing more into the pool."""
+    load, seq.prefix_load = seq.prefix_load, None
+    if load is not None:
+        load.close()
+    return load

@@ -6,14 +6,17 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from shared.blocks import BlockManager, OutOfBlocks, make_namespace
-from shared.engine.batching import Scheduler
+from shared.engine.batching import Scheduler, StepPlan
 from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import LayerCallback
+from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -43,6 +46,16 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step computed and how long it took (the figures a cost model is fitted to)."""
+
+    num_new_tokens: int  # tokens through the model
+    attention_work: int  # keys attended, summed over the new tokens (each sees every earlier token and itself)
+    seconds: float  # wall time of the step, less `load_wait_s`
+    load_wait_s: float  # time the forward pass blocked waiting for loaded prefix KV
 
 
 @dataclass(frozen=True)
@@ -94,14 +107,30 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generate_ids = itertools.count()
+        self.last_step: StepStats | None = None  # set by every step that ran a forward pass
 
     @classmethod
     def from_path(cls, model_path: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
         """Load a GGUF file or safetensors folder (None: the default SmolLM2 model) and build an engine."""
         return cls(load_checkpoint(model_path), config)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError for an empty or too long prompt or a duplicate id."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix_source: PrefixSource | None = None
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            prefix_source: where KV of the prompt's leading blocks may be loaded from when the request is admitted,
+                for the part the local prefix cache lacks; the step then waits for it layer by layer. If the load
+                fails, the request is computed from its local prefix instead.
+        Raises:
+            ValueError: an empty or too long prompt, a duplicate id, or a source that does not supply whole blocks
+                short of the prompt's last token.
+        """
+        if prefix_source is not None:
+            num = prefix_source.num_tokens
+            if num % self.config.block_size or not 0 < num < len(prompt_ids):
+                raise ValueError(f"a prefix source of {num} tokens for a prompt of {len(prompt_ids)}")
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         if not prompt_ids:
@@ -109,7 +138,7 @@ class LLMEngine:
         limit = self.model_config.max_position
         if len(prompt_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}")
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, prefix_source=prefix_source)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -127,24 +156,47 @@ class LLMEngine:
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         """Run one forward pass over the planned batch; returns an output for every request that advanced.
 
+        Sequences admitted now with a prefix load wait for each layer's loaded KV before that layer's attention; one
+        whose load fails produces nothing this step and is computed again (see `add_request`).
+
         Args:
-            on_layer: see `LayerHook`; lets prefill stream each layer's KV while the next layer computes.
+            on_layer: see `LayerHook`; lets prefill stream each layer's KV while the next layer computes. A sequence
+                whose load failed is left out from the first layer that did not arrive.
         """
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        started = time.perf_counter()
         tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks}
-        after_layer = None
+        loads = [c.seq.prefix_load for c in plan.chunks if c.seq.prefix_load is not None]
+        num_new, work = sum(c.num_tokens for c in plan.chunks), sum(c.attention_work for c in plan.chunks)
+        sampled = self.runner.execute(plan, tables, *self._layer_hooks(plan, loads, on_layer))
+        restarted = {seq.request_id for seq in self.scheduler.finish_step(plan)}
+        waited = sum(load.waited_s for load in loads)
+        self.last_step = StepStats(num_new, work, time.perf_counter() - started - waited, waited)
+        outputs = []
+        for request_id, token in sampled.items():
+            if request_id not in restarted:
+                outputs.append(self._accept_token(self._seqs[request_id], token))
+        return outputs
+
+    @staticmethod
+    def _layer_hooks(
+        plan: StepPlan, loads: list[PrefixLoad], on_layer: LayerHook | None
+    ) -> tuple[LayerCallback | None, LayerCallback | None]:
+        """The forward pass's (after_layer, before_layer): stream finished prompts, wait for loaded prefix KV."""
+        before_layer = after_layer = None
+        if loads:
+            def before_layer(layer_idx: int) -> None:
+                for load in loads:
+                    load.wait_layer(layer_idx)
         prompts_done = [c.seq for c in plan.chunks if c.completes_sequence and c.seq.num_output_tokens == 0]
         if on_layer is not None and prompts_done:
             def after_layer(layer_idx: int) -> None:
-                on_layer(layer_idx, prompts_done)
-        sampled = self.runner.execute(plan, tables, after_layer)
-        self.scheduler.finish_step(plan)
-        outputs = []
-        for request_id, token in sampled.items():
-            outputs.append(self._accept_token(self._seqs[request_id], token))
-        return outputs
+                ready = [s for s in prompts_done if s.prefix_load is None or s.prefix_load.is_layer_ready(layer_idx)]
+                if ready:
+                    on_layer(layer_idx, ready)
+        return after_layer, before_layer
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Completion]:
         """Run prompts to completion together (a convenience for the CLI, tests and benchmarks).
@@ -185,38 +237,6 @@ class LLMEngine:
         [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
         block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
         return self.runner.pool.read_blocks(block_ids)
-
-    def import_prefix(self, token_ids: list[int], kv_blocks: torch.Tensor, first_block: int = 0) -> int:
-        """Put fetched KV of full blocks of `token_ids` into the local prefix cache, so that the next request with
-        this prefix reuses them instead of computing them.
-
-        Args:
-            token_ids: a prompt.
-            kv_blocks: blocks [first_block, first_block + n) of it: [num_layers, 2, kv_heads, n, block_size, head_dim].
-            first_block: the local cache must already hold the blocks before it (nothing is imported otherwise).
-        Returns:
-            The number of prefix tokens now cached (0 when the local prefix was shorter than `first_block`).
-        Raises:
-            EngineFull: not enough free blocks.
-        """
-        size = self.config.block_size
-        tokens = token_ids[: (first_block + kv_blocks.shape[3]) * size]
-        if not tokens:
-            return 0
-        key = f"import-{next(self._generate_ids)}"
-        try:
-            reused = self.block_manager.allocate(key, tokens)
-        except OutOfBlocks as exc:
-            raise EngineFull(str(exc)) from None
-        try:
-            if reused < first_block * size:
-                return 0  # the local prefix was evicted meanwhile: there would be a hole
-            fresh_ids = self.block_manager.block_ids(key)[reused // size :]
-            self.runner.pool.write_blocks(fresh_ids, kv_blocks[:, :, :, reused // size - first_block :])
-            self.block_manager.mark_computed(key, len(tokens))
-        finally:
-            self.block_manager.free(key)
-        return len(tokens)
 
     def add_prefilled(self, request: PrefilledRequest) -> None:
         """Continue a request whose prompt was computed elsewhere: its KV goes into the pool and it joins the

@@ -58,6 +58,11 @@ class KVPool:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
         self.tensor.index_copy_(3, index, kv.to(self.tensor.device, self.tensor.dtype))
 
+    def write_block_layers(self, block_id: int, first_layer: int, kv: torch.Tensor) -> None:
+        """Fill layers [first_layer, first_layer + n) of one block; `kv`: [n, 2, kv_heads, block_size, head_dim]."""
+        layers = slice(first_layer, first_layer + kv.shape[0])
+        self.tensor[layers, :, :, block_id] = kv.to(self.tensor.device, self.tensor.dtype)
+
     def read_tokens(self, layer_idx: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """A copy of one layer's K and V for a sequence's first `num_tokens`: [2, kv_heads, num_tokens, head_dim]."""
         num_blocks = -(-num_tokens // self.block_size)
@@ -126,15 +131,22 @@ class StepMetadata:
     padded_prefill: PaddedPrefill | None = None
 
 
+LayerCallback = Callable[[int], None]
+
+
 class PagedAttention:
-    """The model's `AttentionContext` for one step: store this step's K/V, then attend over the pool."""
+    """The model's `AttentionContext` for one step: store this step's K/V, then attend over the pool.
+
+    Per layer: store the step's K/V, `before_layer(layer_idx)` (may block until K/V loaded from outside is in the
+    pool), `after_layer(layer_idx)` (every K/V this layer attends over is in place), then attend.
+    """
 
     def __init__(
         self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend,
-        after_layer: Callable[[int], None] | None = None,
+        after_layer: LayerCallback | None = None, before_layer: LayerCallback | None = None,
     ) -> None:
         self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
-        self.after_layer = after_layer  # called once a layer's K/V of this step are in the pool
+        self.after_layer, self.before_layer = after_layer, before_layer
         # Only the reference path gathers; Triton reads the pool in place.
         is_reference = backend is KernelBackend.TORCH
         self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
@@ -143,6 +155,8 @@ class PagedAttention:
         meta, backend = self.meta, self.backend
         k_cache, v_cache = self.pool.layer(layer_idx)
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)
+        if self.before_layer is not None:
+            self.before_layer(layer_idx)
         if self.after_layer is not None:
             self.after_layer(layer_idx)
         num_decode = meta.num_decode_tokens

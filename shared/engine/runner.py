@@ -5,14 +5,12 @@ It does not decide what runs (that is `batching.Scheduler`) nor what text comes 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kernels.backend import KernelBackend, select_backend
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVPool, PaddedPrefill, PagedAttention, PrefillSegment, StepMetadata
+from shared.engine.kv_cache import KVPool, LayerCallback, PaddedPrefill, PagedAttention, PrefillSegment, StepMetadata
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
@@ -48,16 +46,19 @@ class ModelRunner:
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
 
     def execute(
-        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: Callable[[int], None] | None = None
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
+        before_layer: LayerCallback | None = None,
     ) -> dict[str, int]:
         """Run one step; returns the sampled token of every sequence whose chunk completes it.
 
-        `after_layer(layer_idx)` is called during the forward pass as soon as each layer's K/V are in the pool.
+        During the forward pass, once each layer's new K/V are stored: `before_layer(layer_idx)` (it may block until
+        prefix K/V loaded from outside is in the pool), then `after_layer(layer_idx)` (all of the layer's K/V are in
+        the pool), then attention.
         """
         input_ids, positions, slots = self._flatten(plan.chunks, block_tables)
         meta = self._metadata(plan.chunks, block_tables, slots)
         with torch.inference_mode():
-            ctx = PagedAttention(self.pool, meta, self.scale, self.backend, after_layer)
+            ctx = PagedAttention(self.pool, meta, self.scale, self.backend, after_layer, before_layer)
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
             rows, seqs = self._sample_rows(plan.chunks)
             if not rows:

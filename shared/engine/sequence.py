@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.prefix_load import PrefixLoad, PrefixSource
 
 
 class FinishReason(enum.StrEnum):
@@ -39,6 +43,8 @@ class Sequence:
     text: str = ""
     num_emitted_chars: int = 0
     stop_checked_chars: int = 0
+    prefix_source: PrefixSource | None = None  # where the prompt's prefix KV may be loaded from, at admission
+    prefix_load: PrefixLoad | None = None  # that load, from admission to the end of the step that admitted it
 
     @property
     def num_tokens(self) -> int:

@@ -70,13 +70,14 @@ class System:
         return found
 
 
-def start_system(tmp: Path) -> System:
+def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> System:
     nats = EmbeddedNatsServer().start()
     port = free_port()
     log_dir, stdout_path = tmp / "logs", tmp / "up.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
     env |= {"TSUKIMI_KV_CACHE_MB": "64", "TSUKIMI_CACHE_DRAM_MB": "256", "TSUKIMI_NUM_THREADS": "1",
             "TSUKIMI_HEARTBEAT_S": "0.3", "TSUKIMI_KV_COMPRESS": "on"}  # exercise the LZ4 path end to end
+    env |= env_overrides or {}
     cmd = [sys.executable, "-m", "shared", "up", "--prefill", "2", "--decode", "2", "--port", str(port),
            "--nats-url", nats.url, "--log-dir", str(log_dir)]
     with open(stdout_path, "wb") as out:

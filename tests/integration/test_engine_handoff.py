@@ -1,5 +1,5 @@
 """Disaggregation inside the engine: prefill on one engine, stream each layer's KV out, continue decoding on another;
-and a prefix imported from outside is reused. The answer must equal one engine doing everything."""
+and a prefix loaded from outside is used and then reused. The answer must equal one engine doing everything."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest
+from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -63,16 +64,29 @@ def test_add_prefilled_checks_shape_and_room(make_engine) -> None:
         decode.add_prefilled(PrefilledRequest("b", prompt, 1, 0, GREEDY, good))
 
 
-def test_an_imported_prefix_is_reused_and_gives_the_same_answer(make_engine) -> None:
+def test_a_loaded_prefix_is_used_then_reused_and_gives_the_same_answer(make_engine) -> None:
     source, target, whole = make_engine(), make_engine(), make_engine()
     prompt = _prompt(source)
     (expected,) = whole.generate([prompt], GREEDY)
     source.add_request("s", prompt, GREEDY)
     source.step()
-    num_full = len(prompt) // source.config.block_size
-    blocks = source.export_blocks("s", 0, num_full)
+    num_usable = (len(prompt) - 1) // source.config.block_size  # the last token is always computed
+    blocks = source.export_blocks("s", 0, num_usable)
     source.abort("s")
-    assert target.import_prefix(prompt, blocks) == num_full * source.config.block_size
-    (got,) = target.generate([prompt], GREEDY)
-    assert got.num_cached_tokens >= (num_full - 1) * source.config.block_size > 0
-    assert got.token_ids == expected.token_ids
+
+    def start(first_block: int, block_ids: list[int]) -> PrefixLoad:  # everything at once
+        load = PrefixLoad(target.runner.pool, block_ids)
+        for i in range(len(block_ids)):
+            load.write(i, blocks[:, :, :, first_block + i].contiguous().view(torch.uint8).numpy().tobytes())
+        return load
+
+    num_loaded = num_usable * source.config.block_size
+    target.add_request("t", prompt, GREEDY, PrefixSource(num_loaded, start))
+    tokens, num_cached = [], 0
+    while target.has_unfinished():
+        for out in target.step():
+            tokens += out.new_token_ids
+            num_cached = out.num_cached_tokens
+    assert tokens == expected.token_ids and num_cached == num_loaded > 0
+    (again,) = target.generate([prompt], GREEDY)  # now from the local prefix cache
+    assert again.num_cached_tokens == num_loaded and again.token_ids == expected.token_ids

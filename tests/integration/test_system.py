@@ -22,6 +22,7 @@ from tests.integration.system_fixture import System, start_system, stop_system
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 LONG_TEXT = (Path(__file__).parent.parent.parent / "README.md").read_text()[:2500]
+OTHER_TEXT = (Path(__file__).parent.parent.parent / "ARCHITECTURE.md").read_text()[:4000]  # fits a 64 MiB pool
 
 
 @pytest.fixture(scope="module")
@@ -128,18 +129,24 @@ async def test_two_of_each_both_receive_work_and_a_repeated_prompt_is_reused(sys
 
     await asyncio.gather(*(ask(f"Question number {i}: what is {i} plus {i}?") for i in range(4)))
     assert len({s for s in seen if ".prefill." in s}) == 2 and len({s for s in seen if ".decode." in s}) == 2
-    # A long prompt, then the same prompt again: the second run reuses its KV (from the cache-store when it lands
-    # on the other prefill instance) and gives the same greedy answer.
+    # A long prompt; then, while a long cold prompt keeps that instance busy, the same prompt again: the Conductor
+    # sends the repeat to the idle instance, which fetches the prefix from the cache-store instead of computing it.
     seen.clear()
     prompt = "Summarize this document in one sentence:\n" + LONG_TEXT
     first = await ask(prompt)
+    (first_prefill,) = [s for s in seen if ".prefill." in s]
     await asyncio.sleep(2.0)  # the first run's blocks reach the cache-store off the critical path
+    filler = asyncio.create_task(ask("Translate this into French:\n" + OTHER_TEXT))
+    while len([s for s in seen if ".prefill." in s]) < 2:
+        await asyncio.sleep(0.01)
     second = await ask(prompt)
-    prefills = [s for s in seen if ".prefill." in s]
+    _, filler_prefill, repeat_prefill = [s for s in seen if ".prefill." in s]
+    await filler
     assert first.usage.prompt_tokens > 400
+    assert filler_prefill == first_prefill  # both idle, no cache hit: the tie goes to the first instance
+    assert repeat_prefill != first_prefill, "the repeat should avoid the busy instance"
     assert second.usage.prompt_tokens_details.cached_tokens > 0.5 * first.usage.prompt_tokens
     assert second.choices[0].message.content == first.choices[0].message.content
-    assert len(prefills) == 2 and prefills[0] != prefills[1], "the repeat should land on the other prefill"
     await client.close()
     await bus.drain()
 

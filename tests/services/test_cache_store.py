@@ -1,5 +1,6 @@
 """The cache-store and its client against a real nats-server: multi-part round trips, misses, prefixes, eviction
-events, two shards, corrupt parts, an absent store, and the real `python -m services.cache_store` process.
+events, two shards, corrupt parts, an absent store, handlers without NATS. (The SSD tier, restarts, snapshots,
+replicas and the real `python -m services.cache_store` process: test_cache_store_tiers.py.)
 """
 
 from __future__ import annotations
@@ -7,18 +8,16 @@ from __future__ import annotations
 import array
 import asyncio
 import math
-import os
 import random
-import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
-from services.cache_store import CacheStoreService, StoredBlock
+from services.cache_store import MAX_EVENT_HASHES, CacheStoreService, stats_fields
 from shared.bus import Bus, BusError
+from shared.cache.block import StoredBlock
 from shared.cache.client import CacheClient
 from shared.config import load_settings
 from shared.kv_wire import checksum
@@ -26,7 +25,6 @@ from shared.protocol import (
     Ack,
     BlockGet,
     BlockHas,
-    BlockHasReply,
     BlockPart,
     BlockPut,
     Heartbeat,
@@ -56,19 +54,26 @@ class Stack:
         self.buses.append(bus)
         return bus
 
-    async def store(self, shard: int = 0, num_shards: int = 1, dram_mb: int = 64) -> CacheStoreService:
+    async def store(
+        self, shard: int = 0, num_shards: int = 1, dram_mb: int = 64, env: dict[str, str] | None = None
+    ) -> CacheStoreService:
+        """A started shard `cache-<shard>`; `env` adds or overrides variables (TSUKIMI_CACHE_SSD_DIR, ...)."""
         settings = load_settings("cache-store", environ={
             "TSUKIMI_NATS_URL": self.nats_url, "TSUKIMI_SUBJECT_PREFIX": self.prefix,
             "TSUKIMI_INSTANCE_ID": f"cache-{shard}", "TSUKIMI_HEARTBEAT_S": "0.1", "TSUKIMI_CACHE_SHARD": str(shard),
-            "TSUKIMI_CACHE_SHARDS": str(num_shards), "TSUKIMI_CACHE_DRAM_MB": str(dram_mb),
+            "TSUKIMI_CACHE_SHARDS": str(num_shards), "TSUKIMI_CACHE_DRAM_MB": str(dram_mb), **(env or {}),
         })
         service = CacheStoreService(settings, await self.bus())
         await service.start()
         self.services.append(service)
         return service
 
-    async def client(self, num_shards: int = 1, timeout_s: float = 2.0) -> CacheClient:
-        return CacheClient(await self.bus(), num_shards, timeout_s=timeout_s)
+    async def stop(self, service: CacheStoreService) -> None:
+        self.services.remove(service)
+        await service.stop()
+
+    async def client(self, num_shards: int = 1, timeout_s: float = 2.0, hot_gets: int = 0) -> CacheClient:
+        return CacheClient(await self.bus(), num_shards, timeout_s=timeout_s, hot_gets=hot_gets)
 
     async def listen(self, subject: str) -> list[Message]:
         received: list[Message] = []
@@ -115,17 +120,17 @@ async def test_multi_part_block_round_trips_and_is_announced(stack: Stack) -> No
     data = float_block(1_500_000, seed=1)
 
     assert await client.put_block(0xDEADBEEF, data)
-    parts = service.dram.get(0xDEADBEEF)
+    parts = service.store.dram.get(0xDEADBEEF)
     assert parts is not None and len(parts.parts) == 6  # 1.5 MB in parts of 256 KiB
     assert len({p.codec for p in parts.parts}) == 2  # noise stays raw, floats compress
-    assert service.dram.num_bytes == len(parts) < len(data)
+    assert service.store.dram.num_bytes == len(parts) < len(data)
     assert await client.get_block(0xDEADBEEF) == data
     assert await client.has_blocks([0xDEADBEEF, 7]) == [True, False]
 
     await until(lambda: len(events) == 1)
-    assert events[0] == KvEvent("cache-0", service.heartbeat.epoch, 0, "stored", [0xDEADBEEF])
+    assert events[0] == KvEvent("cache-0", service.heartbeat.epoch, 1, "stored", [0xDEADBEEF])  # 0: "cleared"
     assert await client.put_block(0xDEADBEEF, data)  # a re-put: acknowledged, nothing new
-    assert service.next_seq == 1
+    assert service.next_seq == 2
     await until(lambda: any(isinstance(b, Heartbeat) and b.kv_blocks_used == 1 for b in beats))
     beat = next(b for b in beats if isinstance(b, Heartbeat))
     assert (beat.role, beat.instance_id, beat.epoch) == ("cache-store", "cache-0", service.heartbeat.epoch)
@@ -154,12 +159,14 @@ async def test_eviction_publishes_removed_and_the_block_then_misses(stack: Stack
 
     await until(lambda: len(events) == 4)
     assert [(e.seq, e.kind, e.block_hashes) for e in events if isinstance(e, KvEvent)] == [
-        (0, "stored", [1]), (1, "stored", [2]), (2, "removed", [1]), (3, "stored", [3])
+        (1, "stored", [1]), (2, "stored", [2]), (3, "removed", [1]), (4, "stored", [3])
     ]
     assert await client.get_block(1) is None
     assert await client.has_blocks([1, 2, 3]) == [False, True, True]
     assert await client.get_block(3) == blocks[3]
-    assert service.dram.num_bytes <= 1 << 20 and service.dram.stats().evictions == 1
+    stats = service.stats()
+    assert stats.dram.num_bytes <= 1 << 20 and stats.dram.evictions == 1 and stats.num_dropped == 1
+    assert (stats.dram.hits, stats.dram.misses, stats.ssd) == (1, 1, None)
 
 
 async def test_two_shards_split_blocks_by_hash(stack: Stack) -> None:
@@ -168,7 +175,7 @@ async def test_two_shards_split_blocks_by_hash(stack: Stack) -> None:
     for h in range(8):
         assert await client.put_block(h, f"block {h}".encode() * 100)
     for i, service in enumerate(shards):
-        assert sorted(service.dram.hashes()) == [h for h in range(8) if h % 2 == i]
+        assert sorted(service.store.hashes()) == [h for h in range(8) if h % 2 == i]
     assert await client.has_blocks([7, 0, 100, 3]) == [True, True, False, True]
     assert await client.longest_prefix(list(range(10))) == 8
     assert [await client.get_block(h) for h in (4, 5)] == [b"block 4" * 100, b"block 5" * 100]
@@ -191,7 +198,8 @@ async def test_corrupt_parts_are_refused_and_never_served(stack: Stack) -> None:
     # A block damaged inside the store is refused by the client's own check.
     assert await client.put_block(79, b"x" * 1000)
     bad = StoredBlock((BlockPut(79, 0, 1, "raw", 4, checksum(b"good"), b"evil"),))
-    service.dram.put(79, bad)
+    service.store.dram.remove(79)
+    service.store.dram.put(79, bad)
     assert await client.get_block(79) is None
 
 
@@ -203,36 +211,6 @@ async def test_absent_store_is_a_fast_miss(stack: Stack) -> None:
     assert await client.has_blocks([1, 2]) == [False, False]
     assert await client.longest_prefix([1, 2]) == 0
     assert asyncio.get_running_loop().time() - start < 2.0
-
-
-async def test_service_process_answers_and_exits_cleanly_on_sigterm(stack: Stack) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
-    env.update(TSUKIMI_NATS_URL=stack.nats_url, TSUKIMI_SUBJECT_PREFIX=stack.prefix, TSUKIMI_INSTANCE_ID="proc")
-    events = await stack.listen(stack.subjects.kv_events("proc"))
-    bus = await stack.bus()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cache_store", cwd=REPO, env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        reply = await asyncio.wait_for(_ask_until_answered(bus), timeout=10)
-        assert reply.present == [False]
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=10)
-        assert proc.returncode == 0, stderr.decode()[-2000:]
-        await until(lambda: [e.kind for e in events if isinstance(e, KvEvent)] == ["cleared"])
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
-async def _ask_until_answered(bus: Bus) -> BlockHasReply:
-    while True:
-        try:
-            return await bus.request(bus.subjects.cache_has(0), BlockHas([5]), BlockHasReply, timeout_s=0.5)
-        except BusError:
-            await asyncio.sleep(0.1)
 
 
 class FakeBus:
@@ -267,3 +245,19 @@ async def test_handlers_without_nats_expire_unfinished_puts_and_refuse_oversize_
     assert [(s, m.kind, m.seq) for s, m in bus.published if isinstance(m, KvEvent)] == [
         ("fake.kv.events.c", "stored", 0)
     ]
+
+
+async def test_big_changes_are_announced_in_bounded_events_and_stats_flatten_for_the_log() -> None:
+    settings = load_settings("cache-store", environ={"TSUKIMI_INSTANCE_ID": "c"})
+    bus = FakeBus()
+    service = CacheStoreService(settings, bus)  # type: ignore[arg-type]
+    service._record("stored", list(range(2 * MAX_EVENT_HASHES + 1)))  # a restart re-announcing a big SSD tier
+    service._record("cleared", [])
+    await service.publish_events()
+    events = [m for _, m in bus.published if isinstance(m, KvEvent)]
+    assert [(e.seq, e.kind, len(e.block_hashes)) for e in events] == [
+        (0, "stored", MAX_EVENT_HASHES), (1, "stored", MAX_EVENT_HASHES), (2, "stored", 1), (3, "cleared", 0)
+    ]
+    fields = stats_fields(service.stats())
+    assert fields["num_blocks"] == 0 and fields["dram_capacity_bytes"] == 1 << 30 and "dram_get_mean_ms" in fields
+    assert not any(k.startswith("ssd_") for k in fields) and all(isinstance(v, int | float) for v in fields.values())

@@ -176,3 +176,14 @@ async def test_every_policy_places_on_live_instances(policy: str) -> None:
     assert all(r.accepted and r.prefill_id in ("p0", "p1") and r.decode_id == "d0" for r in replies)
     if policy == "round_robin":
         assert [r.prefill_id for r in replies[:4]] == ["p0", "p1", "p0", "p1"]
+
+
+async def test_an_instance_restarted_before_its_silence_was_noticed_fails_its_requests() -> None:
+    scheduler, bus, _ = _service()
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE, ids=["lost"]))
+    restarted = Heartbeat("d0", Role.DECODE, epoch=2, sent_at=time.time())
+    await scheduler.handle_heartbeat(restarted)
+    failed = [m for _, m in bus.published if isinstance(m, StreamEvent)]
+    assert [e.request_id for e in failed] == ["lost"] and failed[0].error_type == ErrorType.UNAVAILABLE
+    await scheduler.handle_heartbeat(restarted)  # the same epoch again: nothing more
+    assert len([m for _, m in bus.published if isinstance(m, StreamEvent)]) == 1

@@ -1,4 +1,4 @@
-"""The chained block hash of shared/blocks.py against raw xxhash, and the spec's worked example."""
+"""The chained block hash of shared/block_hash.py against raw xxhash, and the spec's worked example."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Model-based stateful tests of the block manager: random allocate/append/compute/free over small pools."""
+"""Model-based stateful tests of the block manager: random allocate/append/compute/load/free over small pools, with
+its events replayed into the index they describe."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shared.blocks import BlockManager, OutOfBlocks, make_namespace
+from shared.blocks import STORED, BlockManager, OutOfBlocks, make_namespace
 
 NS = make_namespace("test-model", "fp16")
 
@@ -17,10 +18,11 @@ NS = make_namespace("test-model", "fp16")
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate/append/mark_computed/free over a small pool and vocabulary, so prefixes collide often.
+    """Random allocate/append/mark_computed/load/free over a small pool and vocabulary, so prefixes collide often.
 
     The model tracks, per physical block, the token prefix whose KV it holds (None: garbage or partial), as a
-    runner writing KV would leave it. Reusing a block whose KV belongs to another prefix is the bug to catch.
+    runner writing KV would leave it; a loading block holds its KV only once its load finished. Reusing a block
+    whose KV belongs to another prefix, or has not arrived, is the bug to catch.
     """
 
     num_blocks, block_size, vocab_size, max_len = 8, 2, 2, 7
@@ -32,6 +34,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: dict[int, tuple[int, ...] | None] = dict.fromkeys(range(self.num_blocks))
         self.next_seq_id = 0
         self.prompts: list[list[int]] = []  # new prompts often extend a prefix of an earlier one
+        self.loading: dict[int, range] = {}  # seq id -> its table indices whose KV is still on its way
+        self.replayed: set[int] = set()  # the index as the manager's events describe it
+        self.manager.on_event = self.replay
+
+    def replay(self, kind: str, hashes: list[int]) -> None:
+        if kind == STORED:
+            self.replayed.update(hashes)
+        else:
+            self.replayed.difference_update(hashes)
 
     def draw_tokens(self, data: st.DataObject, min_size: int) -> list[int]:
         token = st.integers(0, self.vocab_size - 1)
@@ -116,7 +127,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv[block_ids[i]] = tuple(token_ids[: (i + 1) * size])
         cached = self.cached_kv()
         for i in range(old // size, new // size):  # now cached exactly once: this block or an earlier copy
-            assert cached.count(tuple(token_ids[: (i + 1) * size])) == 1
+            count = cached.count(tuple(token_ids[: (i + 1) * size]))
+            assert count <= 1 if seq_id in self.loading else count == 1  # a loading sequence registers nothing yet
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def start_loading(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        token_ids, manager, size = self.tokens[seq_id], self.manager, self.block_size
+        old = manager.num_computed_tokens(seq_id)
+        if seq_id in self.loading or old % size or old + size > len(token_ids):
+            return
+        new = data.draw(st.integers(old // size + 1, len(token_ids) // size)) * size
+        manager.start_loading(seq_id, new)
+        assert manager.num_computed_tokens(seq_id) == new
+        self.loading[seq_id] = range(old // size, new // size)
+
+    @precondition(lambda self: self.loading)
+    @rule(data=st.data())
+    def finish_loading(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.loading)))
+        self.manager.finish_loading(seq_id)
+        block_ids, token_ids = self.manager.block_ids(seq_id), self.tokens[seq_id]
+        for i in self.loading.pop(seq_id):  # the loader wrote their KV
+            self.kv[block_ids[i]] = tuple(token_ids[: (i + 1) * self.block_size])
+        computed = self.manager.num_computed_tokens(seq_id) // self.block_size
+        cached = self.cached_kv()
+        for i in range(computed):
+            assert cached.count(tuple(token_ids[: (i + 1) * self.block_size])) == 1
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -127,6 +165,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         refs = {b: manager.ref_count(b) for b in block_ids}
         manager.free(seq_id)
         del self.tokens[seq_id]
+        self.loading.pop(seq_id, None)
         assert seq_id not in manager
         assert all(manager.ref_count(b) == refs[b] - 1 for b in block_ids)
         assert manager.num_free_blocks == num_free + sum(1 for b in block_ids if refs[b] == 1)
@@ -134,6 +173,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.manager.check_invariants()
+        assert self.replayed == set(self.manager.cached_hashes())
+        for seq_id in self.tokens:
+            assert self.manager.is_loading(seq_id) == (seq_id in self.loading)
         for seq_id, token_ids in self.tokens.items():
             assert self.manager.num_tokens(seq_id) == len(token_ids)
         for block_id in range(self.num_blocks):

@@ -37,3 +37,14 @@ def test_bad_samples_are_ignored_and_the_prior_holds_until_enough() -> None:
     for sample in [(-1.0, 0.0, 1.0), (1.0, float("nan"), 1.0), (1.0, 1.0, 5.0)]:
         model.add(*sample)
     assert model.num_samples == 1 and model.predict(1.0, 1.0) == 1.0
+
+
+def test_a_feature_that_never_varied_keeps_its_prior() -> None:
+    """Only batch-1 steps seen: the batch coefficient cannot be fitted, so the prior's growth with batch stays."""
+    model = DecodeCostModel()
+    prior_slope = model.model.prior[1]
+    for context in range(100, 3000, 100):
+        model.add_step(1, context, 0.05 + 1e-5 * context)
+    assert model.model.coef[1] == prior_slope > 0
+    assert model.predict(1, 1000) == pytest.approx(0.06, rel=0.05)
+    assert model.predict(8, 1000) > model.predict(1, 1000)

@@ -1,5 +1,6 @@
-"""The prefill service: computes prompts, streams each layer's KV to the chosen decode instance while the next layer
-computes, sends the first token to the gateway, stores new full blocks in the cache-store and reuses stored ones.
+"""The prefill service: computes prompts, loading the reusable prefix from the cache-store layer by layer while it
+computes, streams each layer's KV to the chosen decode instance, sends the first token to the gateway, stores new
+full blocks in the cache-store, and reports its local cache (KV events, snapshots) and step timings (heartbeats).
 
 It owns a prompt-only engine (every request leaves it after its first token); decoding belongs to services.decode.
 """
@@ -11,16 +12,20 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from services.engine_host import EngineHost, block_from_bytes, block_to_bytes
+from services.engine_host import EngineHost, block_to_bytes
+from services.prefill.events import KvEventLog
+from services.prefill.fetch import StoreLoader
+from services.prefill.measure import StepSamples
 from shared.blocks import block_hashes
-from shared.bus import Bus, run_service
+from shared.bus import Bus
 from shared.cache.client import CacheClient
 from shared.config import Settings
-from shared.engine.engine import EngineFull, LLMEngine, RequestOutput
+from shared.engine.engine import LLMEngine, RequestOutput, StepStats
+from shared.engine.prefix_load import PrefixSource
+from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import chunk_layer_kv, num_kv_chunks
@@ -33,6 +38,8 @@ from shared.protocol import (
     Message,
     PrefillTask,
     Role,
+    Snapshot,
+    SnapshotRequest,
     StreamEvent,
 )
 
@@ -46,13 +53,16 @@ class _Held:
     task: PrefillTask
     hashes: list[int]
     num_store_blocks: int = 0  # leading blocks the cache-store already holds
+    num_reused_tokens: int = 0  # expected from the local cache or the cache-store
     num_chunks: int = 0
     sends: list[asyncio.Future[None]] = field(default_factory=list)
+    sent_layers: set[int] = field(default_factory=set)  # a request recomputed after a failed load sends each once
     cancelled: bool = False
+    is_prefilled: bool = False
 
 
 class PrefillService:
-    """Serves `prefill.<id>.run`.
+    """Serves `prefill.<id>.run`, the broadcast `cancel` and `snapshot.<id>`; publishes `kv.events.<id>`.
 
     Args:
         settings: service settings.
@@ -68,28 +78,48 @@ class PrefillService:
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.PREFILL, settings.heartbeat_s, self.load)
-        self._event_seq = 0
-        cfg = engine.model_config
-        self._layer_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * engine.runner.pool.tensor.element_size()
+        self.events = KvEventLog(settings.instance_id, self._heartbeat.epoch)
+        engine.block_manager.on_event = self.events.record
+        self._events_lock = asyncio.Lock()  # events go out in seq order
+        self._flushes: set[asyncio.Task[None]] = set()
+        self.samples = StepSamples()
+        self._last_stats: StepStats | None = None
+        self.loader = None if cache is None else StoreLoader(
+            cache, engine.runner.pool, self.host.loop, settings.kv_deadline_s
+        )
+        cfg, pool = engine.model_config, engine.runner.pool
+        self._layer_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * pool.tensor.element_size()
         self._chunk_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
-        self._block_shape = (cfg.num_layers, 2, cfg.num_kv_heads, 1, engine.config.block_size, cfg.head_dim)
+        self._block_layer_bytes = self._layer_token_bytes * engine.config.block_size  # one layer of one block
 
     async def start(self) -> None:
-        await self.bus.serve(self.bus.subjects.prefill_run(self.settings.instance_id), self.handle_task)
-        await self.bus.serve(self.bus.subjects.cancel, self.handle_cancel)
+        subjects, me = self.bus.subjects, self.settings.instance_id
+        await self.bus.serve(subjects.prefill_run(me), self.handle_task)
+        await self.bus.serve(subjects.cancel, self.handle_cancel)
+        await self.bus.serve(subjects.snapshot(me), self.handle_snapshot)
         self.host.start(self._tick, self._deliver)
         self._heartbeat.start()
         await self._heartbeat.send_now()
 
     async def stop(self) -> None:
         await self._heartbeat.stop()
+        if self.loader is not None:
+            await self.loader.stop()
         await self.host.stop()
         self._encoder.shutdown(wait=True)
 
     def load(self) -> Load:
-        tokens = sum(len(h.task.prompt_ids) - h.num_store_blocks * self.engine.config.block_size
-                     for h in self._held.values())
-        return Load(num_waiting=len(self._held), num_queued_tokens=tokens, request_ids=list(self._held))
+        """This beat's figures: the prompt tokens still to compute, and the step samples since the last beat."""
+        queued = [h for h in self._held.values() if not h.is_prefilled]
+        blocks = self.engine.block_manager
+        return Load(
+            num_waiting=len(queued),
+            num_queued_tokens=sum(len(h.task.prompt_ids) - h.num_reused_tokens for h in queued),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
+            request_ids=list(self._held), samples=self.samples.take(),
+            fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
+            block_bytes=self.engine.runner.pool.num_bytes // blocks.num_blocks,
+        )
 
     async def handle_task(self, msg: Message) -> None:
         assert isinstance(msg, PrefillTask)
@@ -104,7 +134,8 @@ class PrefillService:
             log.warning("block hashes differ from the gateway's (model or codec mismatch?)", request_id=msg.request_id)
         held = _Held(msg, hashes, num_chunks=self._num_chunks(len(msg.prompt_ids)))
         self._held[msg.request_id] = held
-        log.info("prefill queued", request_id=msg.request_id, prompt_tokens=len(msg.prompt_ids), decode=msg.decode_id)
+        log.info("prefill queued", request_id=msg.request_id, prompt_tokens=len(msg.prompt_ids), decode=msg.decode_id,
+                 fetch_from_pool=msg.fetch_from_pool)
         asyncio.create_task(self._admit(held, params))
 
     async def handle_cancel(self, msg: Message) -> None:
@@ -116,50 +147,54 @@ class PrefillService:
             self.host.wake()
             log.info("prefill cancelled", request_id=msg.request_id, reason=msg.reason)
 
+    async def handle_snapshot(self, msg: Message) -> Snapshot:
+        """Every hash in the local prefix cache, as of the last KV event (those numbered on the way go out first)."""
+        assert isinstance(msg, SnapshotRequest)
+        async with self._events_lock:
+            snapshot, events = self.events.snapshot()
+            await self._publish_events(events)
+        return snapshot
+
     def _num_chunks(self, num_tokens: int) -> int:
         cfg = self.engine.model_config
         return num_kv_chunks(cfg.num_layers, num_tokens, self._layer_token_bytes, self._chunk_bytes)
 
-    async def _admit(self, held: _Held, params: Any) -> None:
-        """Reuse what the cache-store holds beyond the local prefix cache, then queue the prompt in the engine."""
+    async def _admit(self, held: _Held, params: SamplingParams) -> None:
+        """See what the cache-store holds, then queue the prompt in the engine (with the store's prefix to load)."""
         task = held.task
         try:
-            await self._fetch_prefix(held)
-            if held.cancelled:
-                self._held.pop(task.request_id, None)
-                return
-            await self.host.call(self.engine.add_request, task.request_id, task.prompt_ids, params)
+            source = await self._store_prefix(held)
+            is_queued = not held.cancelled and await self.host.call(self._enqueue, held, params, source)
         except Exception as exc:
-            self._held.pop(task.request_id, None)
+            is_queued = False
             await self._fail(task.request_id, ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL,
                              str(exc))
+        if not is_queued:
+            self._held.pop(task.request_id, None)
             return
         self.host.wake()
 
-    async def _fetch_prefix(self, held: _Held) -> None:
-        if self.cache is None or not held.hashes:
-            return
-        size = self.engine.config.block_size
-        # The last block of a block-aligned prompt is always recomputed (its last token must be sampled from).
-        usable = held.hashes[: (len(held.task.prompt_ids) - 1) // size]
+    async def _store_prefix(self, held: _Held) -> PrefixSource | None:
+        """How much of the prompt the cache-store holds; a source of it when the task lets us fetch it."""
+        if self.cache is None or self.loader is None or not held.hashes:
+            return None
         held.num_store_blocks = await self.cache.longest_prefix(held.hashes)
-        local_tokens = await self.host.call(self.engine.block_manager.num_reusable_tokens, held.task.prompt_ids)
-        first, last = local_tokens // size, min(held.num_store_blocks, len(usable))
-        if last <= first:
-            return
-        blobs = await asyncio.gather(*(self.cache.get_block(h) for h in usable[first:last]))
-        fetched = [block_from_bytes(b, self._block_shape, self.engine.runner.pool.tensor.dtype)
-                   for b in blobs if b is not None]
-        if len(fetched) < last - first:
-            return  # a block went missing since `has`: compute instead
-        try:
-            num = await self.host.call(
-                self.engine.import_prefix, held.task.prompt_ids, torch.cat(fetched, dim=3), first
-            )
-        except EngineFull:
-            return
-        log.info("prefix fetched from the cache-store", request_id=held.task.request_id, tokens=num,
-                 blocks=last - first)
+        size = self.engine.config.block_size
+        # The last block of a block-aligned prompt is always computed (its last token must be sampled from).
+        num_blocks = min(held.num_store_blocks, (len(held.task.prompt_ids) - 1) // size)
+        if not held.task.fetch_from_pool or num_blocks == 0:
+            return None
+        held.num_reused_tokens = num_blocks * size
+        return self.loader.source(held.task.request_id, held.hashes[:num_blocks], size)
+
+    def _enqueue(self, held: _Held, params: SamplingParams, source: PrefixSource | None) -> bool:
+        """Engine thread: queue the request unless it was cancelled meanwhile."""
+        if held.cancelled:
+            return False
+        local = self.engine.block_manager.num_reusable_tokens(held.task.prompt_ids)
+        held.num_reused_tokens = max(held.num_reused_tokens, local)
+        self.engine.add_request(held.task.request_id, held.task.prompt_ids, params, source)
+        return True
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
@@ -168,28 +203,39 @@ class PrefillService:
         for request_id in list(self._aborts):
             self._aborts.discard(request_id)
             self.engine.abort(request_id)
-        if not self.engine.has_unfinished():
-            return [], False
         results = []
-        for out in self.engine.step(self._on_layer):
-            held = self._held.get(out.request_id)
-            new_blocks = None
-            if held is not None and self.cache is not None and not out.finished:
-                num_full = len(held.task.prompt_ids) // self.engine.config.block_size
-                if num_full > held.num_store_blocks:
-                    new_blocks = self.engine.export_blocks(
-                        out.request_id, held.num_store_blocks, num_full - held.num_store_blocks
-                    )
-            self.engine.abort(out.request_id)
-            results.append((out, new_blocks))
+        if self.engine.has_unfinished():
+            for out in self.engine.step(self._on_layer):
+                results.append((out, self._leave(out)))
+            stats = self.engine.last_step
+            if stats is not None and stats is not self._last_stats:
+                self._last_stats = stats
+                self.samples.add(stats)
+        if self.events.has_pending:
+            self.host.loop.call_soon_threadsafe(self._flush_events)
         return results, self.engine.has_unfinished()
+
+    def _leave(self, out: RequestOutput) -> torch.Tensor | None:
+        """A prompt is done: take it out of the engine; returns its new full blocks for the cache-store."""
+        held = self._held.get(out.request_id)
+        new_blocks = None
+        if held is not None:
+            held.is_prefilled = True
+            num_full = len(held.task.prompt_ids) // self.engine.config.block_size
+            if self.cache is not None and not out.finished and num_full > held.num_store_blocks:
+                new_blocks = self.engine.export_blocks(
+                    out.request_id, held.num_store_blocks, num_full - held.num_store_blocks
+                )
+        self.engine.abort(out.request_id)
+        return new_blocks
 
     def _on_layer(self, layer_idx: int, seqs: list[Sequence]) -> None:
         """Engine thread, mid-forward: copy this layer's prompt KV and hand it to the event loop to send."""
         for seq in seqs:
             held = self._held.get(seq.request_id)
-            if held is None or held.cancelled:
+            if held is None or held.cancelled or layer_idx in held.sent_layers:
                 continue
+            held.sent_layers.add(layer_idx)
             kv = self.engine.read_prompt_kv(seq.request_id, layer_idx)
             future = self.host.loop.create_future()
             held.sends.append(future)
@@ -251,30 +297,33 @@ class PrefillService:
                  ttft_s=round(time.time() - task.arrival_time, 4), kv_chunks=held.num_chunks)
 
     async def _store_blocks(self, held: _Held, blocks: torch.Tensor) -> None:
-        """Off the critical path: put the prompt's new full blocks into the cache-store; announce local blocks."""
+        """Off the critical path: put the prompt's new full blocks into the cache-store, in parts of whole layers (so
+        that a later fetch can use each part as it arrives)."""
         assert self.cache is not None
         first = held.num_store_blocks
         for i in range(blocks.shape[3]):
-            await self.cache.put_block(held.hashes[first + i], block_to_bytes(blocks[:, :, :, i : i + 1]))
-        event = KvEvent(self.settings.instance_id, self._heartbeat.epoch, self._event_seq, "stored", held.hashes)
-        self._event_seq += 1
-        await self.bus.publish(self.bus.subjects.kv_events(self.settings.instance_id), event)
+            data = block_to_bytes(blocks[:, :, :, i : i + 1])
+            await self.cache.put_block(held.hashes[first + i], data, align_bytes=self._block_layer_bytes)
+
+    def _flush_events(self) -> None:
+        task = asyncio.ensure_future(self._publish_pending_events())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _publish_pending_events(self) -> None:
+        async with self._events_lock:
+            await self._publish_events(self.events.take())
+
+    async def _publish_events(self, events: list[KvEvent]) -> None:
+        """Publish in order; a lost one shows as a gap in `seq`, which makes listeners ask for a snapshot."""
+        subject = self.bus.subjects.kv_events(self.settings.instance_id)
+        for event in events:
+            try:
+                await self.bus.publish(subject, event)
+            except Exception as exc:
+                log.warning("kv event lost", seq=event.seq, kind=event.kind, error=str(exc))
 
     async def _fail(self, request_id: str, error_type: ErrorType, error: str) -> None:
         log.warning("prefill failed", request_id=request_id, error_type=error_type, error=error)
         event = StreamEvent(request_id, -1, [], "", error_type=error_type, error=error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)
-
-
-async def build(settings: Settings, bus: Bus) -> PrefillService:
-    engine = await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
-    cache = CacheClient(bus, settings.cache_shards)
-    return PrefillService(settings, bus, engine, cache)
-
-
-def main() -> None:
-    run_service(Role.PREFILL, build)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,154 @@
+"""A sequence's prefix KV loaded from outside the engine (a cache-store fetch) layer by layer, overlapped with the
+forward pass: a loader writes each block's bytes into the pool as they arrive; the step waits before each layer.
+
+It owns the per-layer readiness and the writes into the pool; where the bytes come from is the caller's business.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.kv_cache import KVPool
+
+
+class PrefixLoad:
+    """The KV of some full blocks of one sequence, arriving layer by layer.
+
+    A loaded block's bytes are layer-major, as `KVPool.read_blocks` gives one block:
+    [num_layers, 2, kv_heads, 1, block_size, head_dim] in the pool dtype. Each block's bytes come in order, in pieces
+    of any size (`write`); every layer completed is copied into the pool at once. Layer `l` is ready when every block
+    has its layer `l` in the pool. A failed or abandoned load takes no more writes, and layers never ready are never
+    read as valid: `wait_layer` says False.
+
+    Thread-safety: `write` and `fail` come from the loader's thread, `wait_layer` and `close` from the engine's.
+
+    Args:
+        pool: the pool written into.
+        block_ids: the pool blocks that receive the loaded blocks, in prefix order.
+        timeout_s: how long a wait may go without the load making progress before the load counts as failed.
+        clock: monotonic seconds (tests pass their own).
+    Raises:
+        ValueError: no block ids.
+    """
+
+    def __init__(
+        self, pool: KVPool, block_ids: list[int], timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not block_ids:
+            raise ValueError("a prefix load needs at least one block")
+        self.pool, self.block_ids, self.clock = pool, list(block_ids), clock
+        _, _, self._num_kv_heads, _, block_size, self._head_dim = pool.tensor.shape
+        self.num_layers = pool.tensor.shape[0]
+        self.layer_bytes = 2 * self._num_kv_heads * block_size * self._head_dim * pool.tensor.element_size()
+        self.block_bytes = self.num_layers * self.layer_bytes
+        self.timeout_s = timeout_s
+        self._last_progress = clock()  # when the load began or last took bytes
+        self.error: str | None = None
+        self.waited_s = 0.0  # how long the engine thread blocked in `wait_layer`
+        self._cond = threading.Condition()
+        self._staged = [bytearray() for _ in block_ids]  # bytes of each block's next, incomplete layer
+        self._num_layers_in = [0] * len(block_ids)
+        self._num_ready = 0
+        self._is_closed = False
+
+    @property
+    def num_ready_layers(self) -> int:
+        return self._num_ready
+
+    @property
+    def is_complete(self) -> bool:
+        """Every layer of every block is in the pool (and no wait gave up before)."""
+        return self._num_ready == self.num_layers
+
+    def is_layer_ready(self, layer_idx: int) -> bool:
+        return self._num_ready > layer_idx
+
+    def write(self, block_index: int, data: bytes) -> bool:
+        """Take the next `data` bytes of loaded block `block_index`, copying each layer they complete into the pool.
+
+        Returns:
+            False, writing nothing, once the load failed or was closed (stop sending). More bytes than a block
+            holds fail the load.
+        """
+        with self._cond:
+            if self._is_closed or self.error is not None:
+                return False
+            staged, first = self._staged[block_index], self._num_layers_in[block_index]
+            if first * self.layer_bytes + len(staged) + len(data) > self.block_bytes:
+                self._fail(f"block {block_index} has more than {self.block_bytes} bytes")
+                return False
+            staged += data
+            self._last_progress = self.clock()
+            num_new = len(staged) // self.layer_bytes
+            if num_new:
+                self._copy(block_index, first, staged[: num_new * self.layer_bytes])
+                del staged[: num_new * self.layer_bytes]
+                self._num_layers_in[block_index] = first + num_new
+                self._advance()
+            return True
+
+    def fail(self, reason: str) -> None:
+        """The loader cannot deliver (a miss, a corrupt part, a dead store): wake the engine, which recomputes."""
+        with self._cond:
+            self._fail(reason)
+
+    def wait_layer(self, layer_idx: int) -> bool:
+        """Engine thread: block until layer `layer_idx` of every block is in the pool.
+
+        Returns:
+            True when it is; False when the load failed, was closed or timed out first (the layer must not be used).
+        """
+        with self._cond:
+            started = self.clock()
+            while self._num_ready <= layer_idx and self.error is None and not self._is_closed:
+                remaining = self._last_progress + self.timeout_s - self.clock()
+                if remaining <= 0:
+                    self._fail(f"no progress for {self.timeout_s} s")
+                    break
+                self._cond.wait(remaining)
+            self.waited_s += self.clock() - started
+            return self._num_ready > layer_idx
+
+    def close(self) -> None:
+        """No write lands after this returns (the blocks are about to be registered, reused or freed)."""
+        with self._cond:
+            self._is_closed = True
+            self._cond.notify_all()
+
+    def _fail(self, reason: str) -> None:
+        if self.error is None and not self.is_complete:
+            self.error = reason
+        self._cond.notify_all()
+
+    def _advance(self) -> None:
+        ready = min(self._num_layers_in)
+        if ready > self._num_ready:
+            self._num_ready = ready
+            self._cond.notify_all()
+
+    def _copy(self, block_index: int, first_layer: int, data: bytearray) -> None:
+        num = len(data) // self.layer_bytes
+        kv = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.tensor.dtype)
+        # [num, 2, kv_heads, block_size, head_dim]
+        kv = kv.view(num, 2, self._num_kv_heads, -1, self._head_dim)
+        self.pool.write_block_layers(self.block_ids[block_index], first_layer, kv)
+
+
+@dataclass(frozen=True)
+class PrefixSource:
+    """Where a queued sequence can load its prefix KV from; asked once, when the sequence is admitted to a step.
+
+    Args:
+        num_tokens: leading prompt tokens whose KV the source can supply: whole blocks, fewer than the prompt.
+        start: `start(first_block, block_ids)` begins loading the prompt's blocks [first_block, num_tokens /
+            block_size) (those the local prefix cache lacks) into the pool blocks `block_ids`, and returns their
+            `PrefixLoad`, or None to load nothing after all. It runs on the engine thread and must not block.
+    """
+
+    num_tokens: int
+    start: Callable[[int, list[int]], PrefixLoad | None]

@@ -1,0 +1,154 @@
+"""Faults and overload on the whole system, all real processes: a killed decode or prefill instance fails only its own
+request, cleanly; a restarted cache-store serves its SSD blocks again and the Conductor uses them; overload gets 429s
+before any work while the accepted requests are served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from shared.bus import Bus
+from shared.protocol import Subjects
+from tests.integration.system_fixture import System, start_system, stop_system
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+ROOT = Path(__file__).parent.parent.parent
+TEXTS = [(ROOT / name).read_text() for name in ("README.md", "ARCHITECTURE.md", "docs/block-hash.md")]
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    tmp = tmp_path_factory.mktemp("faults")
+    running = start_system(tmp, {
+        # A tiny DRAM tier spills every block to SSD, so that a restarted store still has them.
+        "TSUKIMI_CACHE_SSD_DIR": str(tmp / "ssd"), "TSUKIMI_CACHE_DRAM_MB": "8", "TSUKIMI_CACHE_SSD_ADMIT_SEEN": "1",
+        "TSUKIMI_SLO_TTFT_MS": "60000", "TSUKIMI_REJECTION": "predicted",
+    })
+    yield running
+    code, _ = stop_system(running)
+    assert code == 0
+
+
+def _chat(content: str, max_tokens: int = 4, **extra: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": max_tokens, **extra}
+
+
+async def _post(session: aiohttp.ClientSession, system: System, body: dict[str, object]) -> tuple[int, dict, dict]:
+    async with session.post(system.base_url + "/v1/chat/completions", json=body) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+async def _watch(system: System, subject: str) -> tuple[Bus, list[str]]:
+    bus = await Bus.connect(system.nats.url, "itest-faults", Subjects())
+    seen: list[str] = []
+
+    async def on(msg) -> None:  # noqa: ANN001
+        seen.append(msg.subject.split(".")[2])  # tsukimi.<role>.<instance>.run
+
+    await bus.client.subscribe(subject, cb=on)
+    await bus.client.flush()
+    return bus, seen
+
+
+def _wait_alive(system: System, instance_id: str, timeout_s: float = 60.0) -> None:
+    """Until the supervisor's restart of `instance_id` is back in the scheduler's view (a new 'joined' line)."""
+    log = system.log_dir / "scheduler-0.log"
+    before = log.read_text().count(f'"instance_id": "{instance_id}", "role"')
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.read_text().count(f'"instance_id": "{instance_id}", "role"') > before:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{instance_id} did not come back")
+
+
+async def test_overload_is_refused_early_and_the_accepted_are_served(system: System) -> None:
+    """Twelve long prompts at once, each asking for a 4 s TTFT: the Conductor accepts what it predicts it can serve
+    in time and refuses the rest with 429 before any prefill work."""
+    prompts = [f"Request {i}. Summarize:\n" + TEXTS[i % 2][i * 300 : i * 300 + 2400] for i in range(12)]
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(_post(session, system, _chat(p, slo_ttft_ms=4000)) for p in prompts))
+    statuses = [status for status, _, _ in answers]
+    assert 429 in statuses and 200 in statuses, statuses
+    assert set(statuses) <= {200, 429}
+    for status, headers, body in answers:
+        if status == 429:
+            assert int(headers["Retry-After"]) >= 1
+            assert "time to first token" in body["error"]["message"] and body["error"]["code"] == "rate_limit_exceeded"
+    metrics = (await asyncio.to_thread(system.get, "/metrics"))[1]
+    assert f'tsukimi_gateway_rejections_total{{reason="ttft_slo"}} {statuses.count(429)}' in metrics
+    print(f"overload: {statuses.count(200)} accepted, {statuses.count(429)} refused, "
+          f"all answered in {time.monotonic() - started:.1f} s")
+
+
+async def test_a_killed_decode_fails_its_request_and_the_others_go_on(system: System) -> None:
+    bus, decodes = await _watch(system, "tsukimi.decode.*.run")
+    async with aiohttp.ClientSession() as session:
+        body = _chat("Tell me a long story about the sea.", max_tokens=1000, ignore_eos=True, stream=True)
+        async with session.post(system.base_url + "/v1/chat/completions", json=body) as response:
+            lines = response.content.__aiter__()
+            for _ in range(4):
+                await lines.__anext__()
+            while not decodes:  # the DecodeTask follows the first token
+                await asyncio.sleep(0.02)
+            victim = decodes[-1]
+            os.kill(system.service_pids()[victim], signal.SIGKILL)
+            killed_at = time.monotonic()
+            tail = [line.decode().strip() async for line in lines if line.strip()]
+        errors = [json.loads(t[6:]) for t in tail if t.startswith("data: {") and '"error"' in t]
+        assert errors and "stopped responding" in errors[0]["error"]["message"], tail[-3:]
+        assert tail[-1] == "data: [DONE]" and time.monotonic() - killed_at < 10.0
+        status, _, answer = await _post(session, system, _chat("Say something else."))
+        assert status == 200 and answer["choices"][0]["message"]["content"]
+    await bus.drain()
+    await asyncio.to_thread(_wait_alive, system, victim)
+
+
+async def test_a_killed_prefill_fails_its_request_and_the_others_go_on(system: System) -> None:
+    bus, prefills = await _watch(system, "tsukimi.prefill.*.run")
+    async with aiohttp.ClientSession() as session:
+        long_prompt = "Summarize all of this:\n" + TEXTS[1][:4000]  # ~1000 tokens: seconds of prefill
+        doomed = asyncio.create_task(_post(session, system, _chat(long_prompt)))
+        while not prefills:
+            await asyncio.sleep(0.02)
+        victim = prefills[0]
+        await asyncio.sleep(0.5)  # mid-prefill (it takes seconds on this CPU)
+        os.kill(system.service_pids()[victim], signal.SIGKILL)
+        bystander = await _post(session, system, _chat("What is two plus two?"))
+        status, _, answer = await doomed
+    assert status == 503 and victim in answer["error"]["message"]
+    assert bystander[0] == 200
+    await bus.drain()
+    await asyncio.to_thread(_wait_alive, system, victim)
+
+
+async def test_a_restarted_cache_store_serves_its_ssd_blocks_to_the_conductor(system: System) -> None:
+    document = "Explain this text:\n" + TEXTS[0][3000:6000]
+    async with aiohttp.ClientSession() as session:
+        first = await _post(session, system, _chat(document))
+        assert first[0] == 200
+        await asyncio.sleep(2.0)  # its blocks reach the store, and through the tiny DRAM tier, the SSD
+        os.kill(system.service_pids()["cache-store-0"], signal.SIGKILL)
+        await asyncio.to_thread(_wait_alive, system, "cache-store-0")
+        # Push the document out of both prefill instances' local caches with two other long prompts each.
+        for i in range(4):
+            evictor = _chat(f"Evictor {i}:\n" + TEXTS[1][i * 2500 : i * 2500 + 2800])
+            assert (await _post(session, system, evictor))[0] == 200
+        again = await _post(session, system, _chat(document))
+    assert again[0] == 200
+    assert again[2]["choices"][0]["message"]["content"] == first[2]["choices"][0]["message"]["content"]
+    cached = again[2]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0.5 * again[2]["usage"]["prompt_tokens"]
+    logs = [p.read_text() for p in system.log_dir.glob("prefill-*.log")]
+    assert any("prefix fetched from the cache-store" in log for log in logs), "the prefix should come from the store"
