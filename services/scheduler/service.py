@@ -177,13 +177,20 @@ class SchedulerService:
             for beat in self.instances.forget_silent():
                 await self._fail_instance(beat)
 
+    def _tracked_on(self, beat: Heartbeat) -> set[str]:
+        """Tracked requests the lost instance may hold that its last heartbeat could not show yet. Everything bound
+        for a lost decode instance is lost (a KV hand-off to it would go nowhere); of a lost prefill instance's, those
+        that no live decode instance has taken over."""
+        if beat.role == Role.DECODE:
+            return {t.request_id for t in self.tracked.values() if t.decode_id == beat.instance_id}
+        decoding = {r for b in self.instances.alive(Role.DECODE) for r in b.request_ids}
+        return {t.request_id for t in self.tracked.values()
+                if t.prefill_id == beat.instance_id and t.request_id not in decoding}
+
     async def _fail_instance(self, beat: Heartbeat, forget_cache: bool = True) -> None:
         """An instance stopped beating (or restarted): fail every request it may hold (failing a finished one is
         harmless: nobody listens any more)."""
-        held = set(beat.request_ids) | {
-            t.request_id for t in self.tracked.values()
-            if beat.instance_id in (t.prefill_id, t.decode_id) and t.placed_at > beat.sent_at
-        }
+        held = set(beat.request_ids) | self._tracked_on(beat)
         if forget_cache:
             self.index.forget(beat.instance_id)
         log.warning("instance lost", instance_id=beat.instance_id, role=beat.role, failed_requests=len(held))
@@ -194,3 +201,5 @@ class SchedulerService:
                 error=f"{beat.role} instance {beat.instance_id} stopped responding",
             )
             await self.bus.publish(self.bus.subjects.stream(request_id), event)
+            # Whatever survives of it elsewhere (a prefill still computing it) stops too.
+            await self.bus.publish(self.bus.subjects.cancel, Cancel(request_id, event.error))

@@ -31,7 +31,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     running = start_system(tmp, {
         # A tiny DRAM tier spills every block to SSD, so that a restarted store still has them.
         "TSUKIMI_CACHE_SSD_DIR": str(tmp / "ssd"), "TSUKIMI_CACHE_DRAM_MB": "8", "TSUKIMI_CACHE_SSD_ADMIT_SEEN": "1",
-        "TSUKIMI_SLO_TTFT_MS": "60000", "TSUKIMI_REJECTION": "predicted",
+        "TSUKIMI_SLO_TTFT_MS": "60000", "TSUKIMI_REJECTION": "predicted", "TSUKIMI_REQUEST_TIMEOUT_S": "60",
     })
     yield running
     code, _ = stop_system(running)

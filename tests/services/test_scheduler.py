@@ -187,3 +187,19 @@ async def test_an_instance_restarted_before_its_silence_was_noticed_fails_its_re
     assert [e.request_id for e in failed] == ["lost"] and failed[0].error_type == ErrorType.UNAVAILABLE
     await scheduler.handle_heartbeat(restarted)  # the same epoch again: nothing more
     assert len([m for _, m in bus.published if isinstance(m, StreamEvent)]) == 1
+
+
+async def test_a_lost_decode_fails_what_was_bound_for_it_even_between_heartbeats() -> None:
+    """Placed before the decode's last heartbeat, but its KV had not arrived yet: the beat could not list it."""
+    scheduler, bus, clock = _service()
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE))
+    assert (await scheduler.handle_submit(_submit("in-flight"))).accepted
+    await scheduler.handle_heartbeat(_beat("d0", Role.DECODE))  # sent after the placement, without the request
+    await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL, ids=[]))  # handed off already
+    clock.now += 5.0
+    for beat in scheduler.instances.forget_silent():
+        if beat.role == Role.DECODE:
+            await scheduler._fail_instance(beat)
+    failed = [m.request_id for _, m in bus.published if isinstance(m, StreamEvent)]
+    cancels = [m.request_id for s, m in bus.published if s == bus.subjects.cancel]
+    assert failed == ["in-flight"] and cancels == ["in-flight"]
