@@ -255,7 +255,7 @@ class DecodeService:
 
     async def _fail(self, request_id: str, error: str, error_type: ErrorType = ErrorType.KV_TRANSFER) -> None:
         log.warning("request failed", request_id=request_id, error_type=error_type, error=error)
-        event = StreamEvent(request_id, -1, [], "", error_type=error_type, error=error)
+        event = StreamEvent.failure(request_id, error_type, error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)
 
 

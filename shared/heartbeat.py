@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -20,7 +21,8 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Load:
-    """An instance's load figures at one moment (the variable part of a heartbeat)."""
+    """An instance's load figures at one moment: the variable part of a `Heartbeat`, under the same field names
+    (a test keeps them in step)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -50,12 +52,8 @@ class HeartbeatSender:
         self._task: asyncio.Task[None] | None = None
 
     def beat(self) -> Heartbeat:
-        load = self.load()
-        return Heartbeat(
-            self.instance_id, self.role, self.epoch, time.time(), load.num_running, load.num_waiting,
-            load.num_queued_tokens, load.kv_blocks_used, load.kv_blocks_total, list(load.request_ids),
-            [list(sample) for sample in load.samples], load.fetch_bytes_per_s, load.block_bytes,
-        )
+        figures = dataclasses.asdict(self.load())  # deep copies: the beat shares no list with the service
+        return Heartbeat(self.instance_id, self.role, self.epoch, time.time(), **figures)
 
     async def send_now(self) -> None:
         await self.bus.publish(self.bus.subjects.heartbeat, self.beat())

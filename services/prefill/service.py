@@ -325,5 +325,5 @@ class PrefillService:
 
     async def _fail(self, request_id: str, error_type: ErrorType, error: str) -> None:
         log.warning("prefill failed", request_id=request_id, error_type=error_type, error=error)
-        event = StreamEvent(request_id, -1, [], "", error_type=error_type, error=error)
+        event = StreamEvent.failure(request_id, error_type, error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)

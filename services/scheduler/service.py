@@ -196,9 +196,8 @@ class SchedulerService:
         log.warning("instance lost", instance_id=beat.instance_id, role=beat.role, failed_requests=len(held))
         for request_id in sorted(held):
             self.tracked.pop(request_id, None)
-            event = StreamEvent(
-                request_id, index=-1, token_ids=[], text="", error_type=ErrorType.UNAVAILABLE,
-                error=f"{beat.role} instance {beat.instance_id} stopped responding",
+            event = StreamEvent.failure(
+                request_id, ErrorType.UNAVAILABLE, f"{beat.role} instance {beat.instance_id} stopped responding"
             )
             await self.bus.publish(self.bus.subjects.stream(request_id), event)
             # Whatever survives of it elsewhere (a prefill still computing it) stops too.

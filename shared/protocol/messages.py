@@ -178,6 +178,11 @@ class StreamEvent(Message):
     error_type: str = ""
     error: str = ""
 
+    @classmethod
+    def failure(cls, request_id: str, error_type: str, error: str) -> StreamEvent:
+        """The end of a request that failed (index -1: it is delivered whatever arrived before)."""
+        return cls(request_id, -1, [], "", error_type=error_type, error=error)
+
 
 @message("cancel")
 @dataclass(frozen=True)
