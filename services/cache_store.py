@@ -19,14 +19,14 @@ import nats.errors
 from nats.aio.subscription import Subscription
 
 from shared.bus import Bus, Handler, run_service
-from shared.cache.block import StoredBlock
+from shared.cache.block import StoredBlock, part_size
 from shared.cache.dram import DramTier
 from shared.cache.ssd import SsdTier
 from shared.cache.tiers import CacheStats, TieredStore
 from shared.config import ConfigError, Settings
 from shared.heartbeat import HeartbeatSender, Load
-from shared.kv_wire import checksum
 from shared.log import get_logger
+from shared.payload import checksum
 from shared.protocol import (
     Ack,
     BlockGet,
@@ -59,7 +59,7 @@ class PendingBlock:
 
     @property
     def num_bytes(self) -> int:
-        return sum(len(part.data) for part in self.parts.values())
+        return sum(part_size(part) for part in self.parts.values())
 
 
 class CacheStoreService:
@@ -228,9 +228,9 @@ class CacheStoreService:
         if pending is not None and pending.num_parts != msg.num_parts:
             return f"part count {msg.num_parts} disagrees with earlier parts ({pending.num_parts})"
         capacity = self.store.dram.capacity_bytes
-        if (pending.num_bytes if pending else 0) + len(msg.data) > capacity:
+        if (pending.num_bytes if pending else 0) + part_size(msg) > capacity:
             return f"block {msg.block_hash:#x} exceeds the capacity of {capacity} bytes"
-        if sum(p.num_bytes for p in self.pending.values()) + len(msg.data) > capacity:
+        if sum(p.num_bytes for p in self.pending.values()) + part_size(msg) > capacity:
             return "too many bytes in unfinished puts"
         return ""
 

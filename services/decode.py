@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.engine_host import EngineHost
+from services.engine_host import EngineHost, load_engine
 from shared.bus import Bus, run_service
 from shared.config import Settings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
@@ -268,7 +268,7 @@ def _continuation_params(params: SamplingParams) -> SamplingParams:
 
 
 async def build(settings: Settings, bus: Bus) -> DecodeService:
-    engine = await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
+    engine = await load_engine(settings)
     return DecodeService(settings, bus, engine)
 
 

@@ -1,7 +1,8 @@
 """Hosting an engine inside an asyncio service: every engine call runs on one dedicated thread (the engine is not
 thread-safe), and the step loop alternates a tick on that thread with delivering its results on the event loop.
 
-Also the byte form of a KV block as the cache-store keeps it. Nothing here knows prefill from decode.
+Also loading the engine the settings name (the model, or the sim backend) and the byte form of a KV block as the
+cache-store keeps it. Nothing here knows prefill from decode.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from shared.config import Settings
 from shared.engine.engine import LLMEngine
 from shared.log import get_logger
+from shared.payload import Payload, SizeOnly
 
 log = get_logger(__name__)
 R = TypeVar("R")
@@ -72,7 +75,23 @@ class EngineHost(Generic[R]):
                     pass
 
 
-def block_to_bytes(block: torch.Tensor) -> bytes:
+async def load_engine(settings: Settings) -> LLMEngine:
+    """The engine `TSUKIMI_ENGINE` names: the model (loaded on a worker thread), or the sim backend's stand-in for
+    `TSUKIMI_SIM_PROFILE`."""
+    if settings.engine_kind == "sim":
+        from shared.sim.engine import build_sim_engine
+
+        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, settings.engine)
+        log.info("simulated engine: steps sleep for a roofline model, no model runs", profile=settings.sim_profile,
+                 kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
+        return engine
+    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
+
+
+def block_to_bytes(block: torch.Tensor) -> Payload:
     """A KV block as the cache-store keeps it: raw bytes, C order, of `export_blocks`' one-block slice
-    [num_layers, 2, kv_heads, 1, block_size, head_dim] (layer-major, so `PrefixLoad` reads it back layer by layer)."""
+    [num_layers, 2, kv_heads, 1, block_size, head_dim] (layer-major, so `PrefixLoad` reads it back layer by layer).
+    The sim engine's meta tensor becomes its size alone."""
+    if block.is_meta:
+        return SizeOnly(block.numel() * block.element_size())
     return block.contiguous().view(torch.uint8).numpy().tobytes()

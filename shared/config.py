@@ -12,8 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
+from shared.sim.profiles import PROFILES
 
 POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
+COLOCATED_POLICIES = ("random", "round_robin", "least_loaded")  # routing when every instance prefills and decodes
+DEPLOYMENTS = ("disaggregated", "colocated")
+ENGINES = ("real", "sim")
 REJECTION_MODES = ("off", "current", "predicted")
 
 
@@ -38,6 +42,11 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_LOG_FORMAT", "json", "json (one object per line) or console"),
         EnvVar("TSUKIMI_MODEL", "", "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
         EnvVar("TSUKIMI_MODEL_NAME", "SmolLM2-135M-Instruct", "model id the API serves and accepts"),
+        EnvVar("TSUKIMI_ENGINE", "real",
+               "real (run the model) or sim (steps sleep for a roofline model of TSUKIMI_SIM_PROFILE)"),
+        EnvVar("TSUKIMI_SIM_PROFILE", "llama3-70b-8xa800", "model and GPUs the sim engine stands for"),
+        EnvVar("TSUKIMI_DEPLOYMENT", "disaggregated",
+               "disaggregated (prefill and decode pools) or colocated (decode instances prefill too, no prefill pool)"),
         EnvVar("TSUKIMI_DEVICE", "auto", "cpu, cuda, cuda:N or auto"),
         EnvVar("TSUKIMI_DTYPE", "fp32", "weights and KV cache: fp32, bf16 or fp16"),
         EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch or triton"),
@@ -88,6 +97,9 @@ class Settings:
     model_path: str | None
     model_name: str
     engine: EngineConfig
+    engine_kind: str  # "real" or "sim"
+    sim_profile: str
+    deployment: str  # "disaggregated" or "colocated"
     heartbeat_s: float
     instance_timeout_s: float
     kv_deadline_s: float
@@ -147,6 +159,10 @@ def load_settings(
     level = get.text("TSUKIMI_LOG_LEVEL").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"TSUKIMI_LOG_LEVEL must be debug, info, warning or error, got {level!r}")
+    deployment, policy = get.choice("TSUKIMI_DEPLOYMENT", DEPLOYMENTS), get.choice("TSUKIMI_POLICY", POLICIES)
+    if deployment == "colocated" and policy not in COLOCATED_POLICIES:
+        raise ConfigError(f"TSUKIMI_POLICY={policy} needs a prefill pool; a colocated deployment routes with "
+                          f"{', '.join(COLOCATED_POLICIES)}")
     log_format = get.text("TSUKIMI_LOG_FORMAT").lower()
     if log_format not in ("json", "console"):
         raise ConfigError(f"TSUKIMI_LOG_FORMAT must be json or console, got {log_format!r}")
@@ -159,12 +175,15 @@ def load_settings(
         model_path=get.text("TSUKIMI_MODEL") or None,
         model_name=get.text("TSUKIMI_MODEL_NAME"),
         engine=engine,
+        engine_kind=get.choice("TSUKIMI_ENGINE", ENGINES),
+        sim_profile=get.choice("TSUKIMI_SIM_PROFILE", tuple(PROFILES)),
+        deployment=deployment,
         heartbeat_s=get.number("TSUKIMI_HEARTBEAT_S", minimum=0.05),
         instance_timeout_s=get.number("TSUKIMI_INSTANCE_TIMEOUT_S", minimum=0.1),
         kv_deadline_s=get.number("TSUKIMI_KV_DEADLINE_S", minimum=0.1),
         kv_chunk_bytes=get.integer("TSUKIMI_KV_CHUNK_KB", minimum=1) << 10,
         kv_compress=get.switch("TSUKIMI_KV_COMPRESS"),
-        policy=get.choice("TSUKIMI_POLICY", POLICIES),
+        policy=policy,
         slo_ttft_s=get.number("TSUKIMI_SLO_TTFT_MS", minimum=1.0) / 1000,
         slo_tbt_s=get.number("TSUKIMI_SLO_TBT_MS", minimum=1.0) / 1000,
         rejection=get.choice("TSUKIMI_REJECTION", REJECTION_MODES),

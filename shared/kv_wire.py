@@ -1,7 +1,8 @@
 """How a request's prompt KV travels prefill -> decode: split into `KvChunk`s, compressed, verified and reassembled.
 
-Owns the payload codecs (byte-shuffle + LZ4), chunking, and the receiving side's checks and stall deadline. It does not
-send anything (services do, on `Subjects.decode_kv`) and it does not know the KV pool's layout.
+Owns chunking and the receiving side's checks and stall deadline (payload codecs are `shared.payload`; a meta tensor,
+the sim engine's KV, travels as size-only chunks, one per layer). It does not send anything (services do, on
+`Subjects.decode_kv`) and it does not know the KV pool's layout.
 """
 
 from __future__ import annotations
@@ -12,109 +13,41 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import lz4.frame
 import numpy as np
 import torch
-import xxhash
 
+from shared.payload import CODEC_RAW, CODEC_SIZE_ONLY, PayloadError, SizeOnly, checksum, compress, decompress
 from shared.protocol import KvChunk
 
 
-class KvTransferError(Exception):
+class KvTransferError(PayloadError):
     """A chunk is corrupt or inconsistent, or chunks are missing; the message says which."""
 
 
-CODEC_RAW = "raw"
-CODEC_LZ4_SHUFFLE = "lz4-shuffle"
 DTYPE_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}
 _INT_OF_SIZE = {4: torch.int32, 2: torch.int16}  # same-size stand-ins numpy understands (it has no bf16)
-_MIN_SAVING = 0.05  # compress only when it saves at least this fraction of the bytes
 _CLOSED_MEMORY = 10.0  # a closed request's late chunks are ignored for this many deadlines
-
-
-# ---- payload codec ------------------------------------------------------------------------------------------
-
-
-def checksum(data: bytes) -> int:
-    """xxh3-64 of `data` (what `KvChunk.checksum` holds, over the compressed bytes)."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def compress(raw: bytes, itemsize: int) -> tuple[str, bytes]:
-    """Byte-shuffle then LZ4 `raw`, if that pays.
-
-    Shuffling puts the i-th byte of every element together, so the sign/exponent bytes of floats form long, repetitive
-    runs that LZ4 can shorten; the mantissa bytes stay near-random (LZ4 frames store such blocks uncompressed).
-
-    Args:
-        raw: the elements' bytes, a whole number of elements.
-        itemsize: bytes per element (4 for fp32, 2 for bf16/fp16).
-    Returns:
-        (CODEC_LZ4_SHUFFLE, compressed) when it saves at least 5% of the bytes, else (CODEC_RAW, raw).
-    Raises:
-        ValueError: `len(raw)` is not a multiple of `itemsize`.
-    """
-    if itemsize < 1 or len(raw) % itemsize:
-        raise ValueError(f"{len(raw)} bytes are not a whole number of {itemsize}-byte elements")
-    if not raw:
-        return CODEC_RAW, raw
-    packed = lz4.frame.compress(_shuffle(raw, itemsize), store_size=True)
-    if len(packed) <= (1.0 - _MIN_SAVING) * len(raw):
-        return CODEC_LZ4_SHUFFLE, packed
-    return CODEC_RAW, raw
-
-
-def decompress(codec: str, data: bytes, raw_size: int, itemsize: int) -> bytes:
-    """The raw bytes of a payload made by `compress`.
-
-    Args:
-        codec, data, raw_size: as the chunk carries them.
-        itemsize: bytes per element of the chunk's dtype.
-    Raises:
-        KvTransferError: an unknown codec, undecodable LZ4, or a result that is not `raw_size` bytes.
-    """
-    if itemsize < 1 or raw_size % itemsize:
-        raise KvTransferError(f"a raw size of {raw_size} bytes is not a whole number of {itemsize}-byte elements")
-    if codec == CODEC_RAW:
-        raw = data
-    elif codec == CODEC_LZ4_SHUFFLE:
-        try:
-            raw = lz4.frame.decompress(data)
-        except (RuntimeError, ValueError, MemoryError) as exc:  # python-lz4 reports frame errors as RuntimeError
-            raise KvTransferError(f"LZ4 payload does not decode: {exc}") from None
-    else:
-        raise KvTransferError(f"unknown KV codec {codec!r}")
-    if len(raw) != raw_size:
-        raise KvTransferError(f"payload is {len(raw)} bytes after decoding, expected {raw_size}")
-    return _unshuffle(raw, itemsize) if codec == CODEC_LZ4_SHUFFLE else raw
-
-
-def _shuffle(raw: bytes, itemsize: int) -> bytes:
-    return np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes()  # [itemsize, num_elements]
-
-
-def _unshuffle(shuffled: bytes, itemsize: int) -> bytes:
-    planes = np.frombuffer(shuffled, np.uint8).reshape(itemsize, -1)  # [itemsize, num_elements]
-    out = np.empty((planes.shape[1], itemsize), np.uint8)
-    for i in range(itemsize):  # a plane at a time: several times faster than numpy's copy of planes.T
-        out[:, i] = planes[i]
-    return out.tobytes()
 
 
 # ---- sending side -------------------------------------------------------------------------------------------
 
 
-def num_kv_chunks(num_layers: int, num_tokens: int, bytes_per_layer_token: int, max_chunk_bytes: int) -> int:
+def num_kv_chunks(
+    num_layers: int, num_tokens: int, bytes_per_layer_token: int, max_chunk_bytes: int, is_size_only: bool = False
+) -> int:
     """How many chunks `chunk_layer_kv`, called once per layer, makes for a whole prompt (`KvChunk.total`).
 
     Args:
         bytes_per_layer_token: 2 * num_kv_heads * head_dim * itemsize.
+        is_size_only: the KV is a meta tensor (size-only chunks, one per layer).
     Raises:
         ValueError: a negative count or a non-positive size.
     """
     if num_layers < 0 or num_tokens < 0 or bytes_per_layer_token < 1 or max_chunk_bytes < 1:
         raise ValueError("counts must be >= 0 and sizes >= 1")
+    if is_size_only:
+        return num_layers if num_tokens else 0
     return num_layers * -(-num_tokens // _tokens_per_chunk(bytes_per_layer_token, max_chunk_bytes))
 
 
@@ -130,6 +63,7 @@ def chunk_layer_kv(
 
     Args:
         kv: [2, num_kv_heads, num_tokens, head_dim] (K then V) in a dtype of `DTYPE_NAMES`; moved to CPU if needed.
+            A meta tensor (no values) becomes one size-only chunk.
         first_seq: the seq of the first chunk; the others follow (first_seq + 1, ...).
         total: the request's chunk count over all layers (see `num_kv_chunks`).
         compress_payload: False sends every payload raw (a baseline for benchmarks).
@@ -142,9 +76,12 @@ def chunk_layer_kv(
         raise ValueError(f"kv dtype {kv.dtype} has no wire name (one of {sorted(DTYPE_NAMES)})")
     if max_chunk_bytes < 1:
         raise ValueError("max_chunk_bytes must be >= 1")
-    kv = kv.detach().cpu()
     _, num_kv_heads, num_tokens, head_dim = kv.shape
     itemsize = kv.element_size()
+    if kv.is_meta:
+        return [KvChunk(request_id, first_seq, total, layer_idx, layer_idx + 1, 0, num_tokens, _WIRE_NAMES[kv.dtype],
+                        CODEC_SIZE_ONLY, kv.numel() * itemsize, checksum(b""), b"")]
+    kv = kv.detach().cpu()
     step = _tokens_per_chunk(2 * num_kv_heads * head_dim * itemsize, max_chunk_bytes)
     chunks = []
     for i, t0 in enumerate(range(0, num_tokens, step)):
@@ -172,7 +109,7 @@ class _Piece:
     """A verified chunk, decompressed; `header` (the chunk without its data) tells a true duplicate from a conflict."""
 
     header: KvChunk
-    raw: bytes
+    raw: bytes | SizeOnly
 
 
 class KvAssembly:
@@ -232,7 +169,7 @@ class KvAssembly:
             return
         try:
             raw = decompress(chunk.codec, chunk.data, chunk.raw_size, DTYPE_NAMES[chunk.dtype].itemsize)
-        except KvTransferError as exc:
+        except PayloadError as exc:
             raise KvTransferError(f"{where}: {exc}") from None
         self.wire_dtype = self.wire_dtype or chunk.dtype
         self.num_wire_bytes += len(chunk.data)
@@ -256,10 +193,11 @@ class KvAssembly:
         """The whole prompt's KV, converted to `dtype` when the wire dtype differs.
 
         Returns:
-            [num_layers, 2, num_kv_heads, num_tokens, head_dim]; num_tokens is the largest token_end received.
+            [num_layers, 2, num_kv_heads, num_tokens, head_dim]; num_tokens is the largest token_end received. A meta
+            tensor when every chunk was size-only.
         Raises:
-            KvTransferError: chunks missing, a chunk whose size does not fit this shape, or a layer not covered
-                exactly once over tokens [0, num_tokens).
+            KvTransferError: chunks missing, a chunk whose size does not fit this shape, size-only chunks mixed with
+                others, or a layer not covered exactly once over tokens [0, num_tokens).
         """
         missing = self.missing()
         if missing:
@@ -268,8 +206,12 @@ class KvAssembly:
         num_tokens = max(piece.header.token_end for piece in self._pieces.values())
         self._check_coverage(num_layers, num_tokens)
         wire_dtype = DTYPE_NAMES[self.wire_dtype]
-        out = torch.empty(num_layers, 2, num_kv_heads, num_tokens, head_dim, dtype=wire_dtype)
-        dest = out.view(_INT_OF_SIZE[wire_dtype.itemsize]).numpy()  # shares out's memory
+        num_size_only = sum(isinstance(piece.raw, SizeOnly) for piece in self._pieces.values())
+        if num_size_only not in (0, self.total):
+            raise KvTransferError(f"request {self.request_id}: {num_size_only} of {self.total} chunks are size-only")
+        device = "meta" if num_size_only else "cpu"
+        out = torch.empty(num_layers, 2, num_kv_heads, num_tokens, head_dim, dtype=wire_dtype, device=device)
+        dest = None if num_size_only else out.view(_INT_OF_SIZE[wire_dtype.itemsize]).numpy()  # shares out's memory
         for seq, piece in sorted(self._pieces.items()):
             l0, l1, t0, t1 = _ranges(piece.header)
             shape = (l1 - l0, 2, num_kv_heads, t1 - t0, head_dim)
@@ -278,7 +220,8 @@ class KvAssembly:
                     f"request {self.request_id}: chunk {seq}/{self.total} holds {piece.header.raw_size} bytes, "
                     f"which is not {num_kv_heads} kv heads x head dim {head_dim} of {self.wire_dtype}"
                 )
-            dest[l0:l1, :, :, t0:t1, :] = np.frombuffer(piece.raw, dest.dtype).reshape(shape)
+            if dest is not None:
+                dest[l0:l1, :, :, t0:t1, :] = np.frombuffer(piece.raw, dest.dtype).reshape(shape)  # type: ignore
         return out if dtype == wire_dtype else out.to(dtype)  # e.g. fp32 on the wire -> a bf16 pool
 
     def _check_coverage(self, num_layers: int, num_tokens: int) -> None:

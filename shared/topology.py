@@ -70,6 +70,7 @@ class Topology:
 
     Attributes:
         prefill, decode: instances of each.
+        colocated: no prefill pool (prefill must be 0): each decode instance prefills its own requests.
         cache_stores: cache-store shards (every service is told the count: blocks go to hash % shards).
         host, port: where the gateway listens.
         nats_url: the NATS server every service connects to.
@@ -82,6 +83,7 @@ class Topology:
     prefill: int = 1
     decode: int = 1
     cache_stores: int = 1
+    colocated: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
     nats_url: str = "nats://127.0.0.1:4222"
@@ -91,9 +93,11 @@ class Topology:
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "cache_stores"):
+        for name in ("decode", "cache_stores") if self.colocated else ("prefill", "decode", "cache_stores"):
             if getattr(self, name) < 1:
                 raise TopologyError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.colocated and self.prefill:
+            raise TopologyError(f"a colocated deployment has no prefill pool, got prefill={self.prefill}")
         if not 0 < self.port < 65536:
             raise TopologyError(f"port must be in 1..65535, got {self.port}")
 
@@ -106,6 +110,8 @@ class Topology:
     def service_env(self, service: ServiceDef) -> dict[str, str]:
         """The TSUKIMI_* settings every instance of `service` gets (no instance id, no shard index)."""
         env = {"TSUKIMI_NATS_URL": self.nats_url, "TSUKIMI_CACHE_SHARDS": str(self.cache_stores)}
+        if self.colocated:
+            env["TSUKIMI_DEPLOYMENT"] = "colocated"
         env |= dict(self.extra_env)
         if self.model:
             env["TSUKIMI_MODEL"] = self.model

@@ -11,24 +11,33 @@ import sys
 from aiohttp import web
 
 from services.gateway.app import Gateway, GatewayConfig
-from services.gateway.backend import NatsBackend
+from services.gateway.backend import ROLES_FOR_HEALTH, NatsBackend
 from services.gateway.prompt import ModelInfo
 from shared.bus import Bus, BusError, wait_for_signal
 from shared.config import ConfigError, Settings, load_settings
 from shared.log import configure_logging, get_logger
 from shared.model.checkpoint import load_checkpoint
-from shared.protocol import Subjects
+from shared.protocol import Role, Subjects
+from shared.sim.engine import sim_checkpoint, sim_model_name
+from shared.sim.profiles import get_profile
 
 log = get_logger("services.gateway")
 
 
 def model_info(settings: Settings) -> ModelInfo:
-    """The served model's tokenizer and limits (loads the checkpoint: a few seconds)."""
-    checkpoint = load_checkpoint(settings.model_path)
+    """The served model's tokenizer and limits (loads the checkpoint: a few seconds). Under the sim backend: the
+    profile's limits, the default tokenizer, and a model id that says it is simulated."""
+    if settings.engine_kind == "sim":
+        profile = get_profile(settings.sim_profile)
+        checkpoint, name = sim_checkpoint(profile), sim_model_name(profile)
+    else:
+        checkpoint, name = load_checkpoint(settings.model_path), settings.model_name
     return ModelInfo(
-        name=settings.model_name, tokenizer=checkpoint.tokenizer, fingerprint=checkpoint.fingerprint,
-        context_len=checkpoint.config.max_position, vocab_size=checkpoint.config.vocab_size,
-        kv_codec=settings.engine.kv_codec,
+        name=name, tokenizer=checkpoint.tokenizer, fingerprint=checkpoint.fingerprint,
+        context_len=checkpoint.config.max_position,
+        # sim: prompts are never embedded, but streamed tokens are detokenized by the stand-in tokenizer
+        vocab_size=checkpoint.tokenizer.vocab_size if settings.engine_kind == "sim" else checkpoint.config.vocab_size,
+        kv_codec=settings.engine.kv_codec, is_simulated=settings.engine_kind == "sim",
     )
 
 
@@ -39,11 +48,14 @@ async def serve(settings: Settings) -> None:
     bus = await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix))
     backend = NatsBackend(bus, settings.instance_timeout_s)
     await backend.start()
-    config = GatewayConfig(settings.engine.block_size, settings.request_timeout_s, settings.max_body_bytes)
+    health_roles = (Role.DECODE.value,) if settings.deployment == "colocated" else ROLES_FOR_HEALTH
+    config = GatewayConfig(settings.engine.block_size, settings.request_timeout_s, settings.max_body_bytes,
+                           health_roles)
     runner = web.AppRunner(Gateway(model, backend, config).build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
-    log.info("started", host=settings.host, port=settings.port, nats=settings.nats_url, model=settings.model_name)
+    log.info("started", host=settings.host, port=settings.port, nats=settings.nats_url, model=model.name,
+             simulated=model.is_simulated, deployment=settings.deployment)
     await stop.wait()
     log.info("stopping")
     await runner.cleanup()

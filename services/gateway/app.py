@@ -39,11 +39,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """HTTP-side settings (from `Settings`: block_size, request_timeout_s, max_body_bytes)."""
+    """HTTP-side settings (from `Settings`: block_size, request_timeout_s, max_body_bytes; `health_roles` from the
+    deployment: a colocated one has no prefill pool)."""
 
     block_size: int = 64
     request_timeout_s: float = 300.0
     max_body_bytes: int = 1 << 20
+    health_roles: tuple[str, ...] = ROLES_FOR_HEALTH
 
 
 class Gateway:
@@ -158,17 +160,19 @@ class Gateway:
         return web.json_response(model_list(self.model.name, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when at least one prefill and one decode instance are alive, else 503."""
-        counts = {role: self.backend.num_alive(role) for role in ROLES_FOR_HEALTH}
+        """200 when at least one instance of each role that serves is alive (prefill and decode), else 503."""
+        counts = {role: self.backend.num_alive(role) for role in self.config.health_roles}
         is_ok = all(counts.values())
         body: dict[str, Any] = {"status": "ok" if is_ok else "unavailable", **counts}
+        if self.model.is_simulated:
+            body["simulated"] = True
         return web.json_response(body, status=200 if is_ok else 503)
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        for role in ROLES_FOR_HEALTH:
+        for role in self.config.health_roles:
             self.metrics.queue_depth.set(self.backend.num_waiting(role), role=role)
         return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 

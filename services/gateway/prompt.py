@@ -33,6 +33,7 @@ class ModelInfo:
         vocab_size: token ids a completions prompt may hold are below this.
         kv_codec: the engines' KV codec (`EngineConfig.kv_codec`), part of the block-hash namespace: the
             gateway's hashes must equal the ones prefill computes.
+        is_simulated: the engines are the sim backend (`/health` and the logs say so).
     """
 
     name: str
@@ -41,6 +42,7 @@ class ModelInfo:
     context_len: int
     vocab_size: int
     kv_codec: str
+    is_simulated: bool = False
 
 
 @dataclass(frozen=True)

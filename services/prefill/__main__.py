@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from services.engine_host import load_engine
 from services.prefill.service import PrefillService
 from shared.bus import Bus, run_service
 from shared.cache.client import CacheClient
 from shared.config import Settings
-from shared.engine.engine import LLMEngine
 from shared.protocol import Role
 
 
 async def build(settings: Settings, bus: Bus) -> PrefillService:
-    engine = await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
+    engine = await load_engine(settings)
     return PrefillService(settings, bus, engine, CacheClient(bus, settings.cache_shards))
 
 

@@ -157,7 +157,8 @@ class PrefillService:
 
     def _num_chunks(self, num_tokens: int) -> int:
         cfg = self.engine.model_config
-        return num_kv_chunks(cfg.num_layers, num_tokens, self._layer_token_bytes, self._chunk_bytes)
+        is_size_only = self.engine.runner.pool.tensor.is_meta  # the sim engine's KV: one size-only chunk per layer
+        return num_kv_chunks(cfg.num_layers, num_tokens, self._layer_token_bytes, self._chunk_bytes, is_size_only)
 
     async def _admit(self, held: _Held, params: SamplingParams) -> None:
         """See what the cache-store holds, then queue the prompt in the engine (with the store's prefix to load)."""

@@ -1,6 +1,7 @@
 """Placement policies (`TSUKIMI_POLICY`): where a request's prefill and decode run. `random`, `round_robin`,
 `least_loaded` and `local_cache_aware` are the baselines the paper compares with; `conductor` is Mooncake's
-KVCache-centric scheduler (DESIGN section 5). Admission against the SLOs is `admission.py`, the same for all.
+KVCache-centric scheduler (DESIGN section 5); `ColocatedPolicy` routes a deployment without a prefill pool (the
+vLLM-style baseline). Admission against the SLOs is `admission.py`, the same for all.
 """
 
 from __future__ import annotations
@@ -139,8 +140,44 @@ class ConductorPolicy:
         return PrefillOption(decode.instance_id, 0, 0, False, wait, compute, 0.0)
 
 
-def make_policy(name: str, local_prefill_tokens: int, tbt_slo_s: float) -> Policy:
-    """Raises ValueError for an unknown name."""
+class ColocatedPolicy:
+    """A colocated deployment, the vLLM-style baseline Mooncake compares with: every instance prefills (chunked,
+    with its own prefix cache) and decodes its own requests; `route` picks the instance: `random`, `round_robin`, or
+    `least_loaded` (fewest sequences, counting placements its heartbeat does not show yet).
+
+    Raises:
+        ValueError: a route that needs a prefill pool.
+    """
+
+    ROUTES = ("random", "round_robin", "least_loaded")
+
+    def __init__(self, route: str, seed: int | None = None) -> None:
+        if route not in self.ROUTES:
+            raise ValueError(f"a colocated deployment routes with {', '.join(self.ROUTES)}, not {route!r}")
+        self.name, self._rng, self._counter = f"colocated_{route}", random.Random(seed), itertools.count()
+        self.route = route
+
+    def place(self, request: SubmitRequest, view: ClusterView) -> Placement:
+        if self.route == "random":
+            instance = self._rng.choice(view.decodes)
+        elif self.route == "round_robin":
+            instance = view.decodes[next(self._counter) % len(view.decodes)]
+        else:
+            instance = min(view.decodes, key=lambda b: (view.decode_batch(b, None), b.kv_blocks_used, b.instance_id))
+        num_tokens = len(request.prompt_ids)
+        tbt = view.tbt_s(instance, None, num_tokens)
+        option = PrefillOption(instance.instance_id, 0, 0, False, tbt, view.prefill_cost.predict(num_tokens, 0), 0.0)
+        return Placement(option, instance.instance_id, True, tbt)
+
+
+def make_policy(name: str, local_prefill_tokens: int, tbt_slo_s: float, colocated: bool = False) -> Policy:
+    """The policy `name`; with `colocated`, the routing of a deployment without a prefill pool.
+
+    Raises:
+        ValueError: an unknown name, or one a colocated deployment cannot use.
+    """
+    if colocated:
+        return ColocatedPolicy(name)
     policies: dict[str, Policy] = {
         "random": RandomPolicy(), "round_robin": RoundRobinPolicy(), "least_loaded": LeastLoadedPolicy(),
         "local_cache_aware": LocalCacheAwarePolicy(),

@@ -34,6 +34,8 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
 )
+from shared.sim.cost import prior_samples
+from shared.sim.profiles import get_profile
 
 log = get_logger(__name__)
 TRACK_GRACE_S = 5.0  # a tracked request absent from every heartbeat this long after placement has finished
@@ -55,12 +57,25 @@ class SchedulerService:
         self.instances = LiveInstances(settings.instance_timeout_s, clock)
         self.index = BlockIndex()
         self.prefill_cost, self.decode_cost = PrefillCostModel(), DecodeCostModel()
-        self.policy = policy or make_policy(settings.policy, settings.local_prefill_tokens, settings.slo_tbt_s)
+        if settings.engine_kind == "sim":
+            self._assume_profile(settings.sim_profile)
+        self.is_colocated = settings.deployment == "colocated"
+        self.policy = policy or make_policy(settings.policy, settings.local_prefill_tokens, settings.slo_tbt_s,
+                                            self.is_colocated)
         self.slos = Slos(settings.slo_ttft_s, settings.slo_tbt_s, settings.rejection)
         self.tracked: dict[str, Tracked] = {}
         self.num_rejected: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._monitor: asyncio.Task[None] | None = None
+
+    def _assume_profile(self, profile_name: str) -> None:
+        """A sim system's step times are known in advance: start the cost models from them (real samples, as they
+        arrive, replace these in the fit's window)."""
+        prefill, decode = prior_samples(get_profile(profile_name))
+        for sample in prefill:
+            self.prefill_cost.add_step(*sample)
+        for sample in decode:
+            self.decode_cost.add_step(*sample)
 
     async def start(self) -> None:
         s = self.bus.subjects
@@ -88,7 +103,9 @@ class SchedulerService:
     async def handle_submit(self, msg: Message) -> SubmitReply:
         assert isinstance(msg, SubmitRequest)
         view = self.view()
-        for role, alive in ((Role.PREFILL, view.prefills), (Role.DECODE, view.decodes)):
+        required = [(Role.DECODE, view.decodes)] if self.is_colocated else [(Role.PREFILL, view.prefills),
+                                                                             (Role.DECODE, view.decodes)]
+        for role, alive in required:
             if not alive:
                 return self._reject(msg, ErrorType.UNAVAILABLE, f"no_{role}", f"no {role} instance is alive", 1.0)
         placement = self.policy.place(msg, view)

@@ -102,12 +102,7 @@ class DecodeRoofline:
 
 
 def _matmul_parameters(config: LlamaConfig) -> int:
-    h = config.hidden_size
-    q_and_o = 2 * h * config.num_heads * config.head_dim
-    k_and_v = 2 * h * config.num_kv_heads * config.head_dim
-    mlp = 3 * h * config.intermediate_size
-    lm_head = config.vocab_size * h
-    return config.num_layers * (q_and_o + k_and_v + mlp) + lm_head
+    return config.num_layer_matmul_parameters + config.vocab_size * config.hidden_size  # the LM head too
 
 
 def decode_weight_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.payload import CODEC_SIZE_ONLY
 from shared.protocol import BlockPut
+
+
+def part_size(part: BlockPut) -> int:
+    """Bytes a part counts for: its data, or for a size-only part (the sim engine's KV) the size it stands for."""
+    return part.raw_size if part.codec == CODEC_SIZE_ONLY else len(part.data)
 
 
 @dataclass(frozen=True)
@@ -17,4 +23,4 @@ class StoredBlock:
     parts: tuple[BlockPut, ...]
 
     def __len__(self) -> int:
-        return sum(len(part.data) for part in self.parts)
+        return sum(part_size(part) for part in self.parts)

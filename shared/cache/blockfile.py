@@ -8,7 +8,7 @@ import struct
 from dataclasses import dataclass
 
 from shared.cache.block import StoredBlock
-from shared.kv_wire import checksum
+from shared.payload import checksum
 from shared.protocol import BlockPut
 
 MAGIC = b"TKVB"

@@ -13,8 +13,8 @@ from typing import TypeVar
 import nats.errors
 
 from shared.bus import Bus, BusError
-from shared.kv_wire import KvTransferError, checksum, compress, decompress
 from shared.log import get_logger
+from shared.payload import Payload, PayloadError, checksum, compress, decompress, join, split
 from shared.protocol import Ack, BlockGet, BlockHas, BlockHasReply, BlockPart, BlockPut, Message
 
 log = get_logger(__name__)
@@ -32,9 +32,10 @@ def _itemsize(raw_size: int) -> int:
     return SHUFFLE_ITEMSIZE if raw_size % SHUFFLE_ITEMSIZE == 0 else 1
 
 
-def split_block(block_hash: int, data: bytes, part_bytes: int) -> list[BlockPut]:
-    """The block as `BlockPut` parts, each carrying at most `part_bytes` of data (at least one part)."""
-    chunks = [data[i : i + part_bytes] for i in range(0, len(data), part_bytes)] or [b""]
+def split_block(block_hash: int, data: Payload, part_bytes: int) -> list[BlockPut]:
+    """The block as `BlockPut` parts, each carrying at most `part_bytes` of data (at least one part); a size-only
+    block becomes size-only parts."""
+    chunks = split(data, part_bytes)
     parts = []
     for index, raw in enumerate(chunks):
         codec, payload = compress(raw, _itemsize(len(raw)))
@@ -83,7 +84,7 @@ class CacheClient:
         """The shards that hold `copies` copies of a block: the owner, then the next ones (at most every shard)."""
         return [(block_hash + i) % self.num_shards for i in range(max(1, min(copies, self.num_shards)))]
 
-    async def put_block(self, block_hash: int, data: bytes, replicas: int = 1, align_bytes: int = 1) -> bool:
+    async def put_block(self, block_hash: int, data: Payload, replicas: int = 1, align_bytes: int = 1) -> bool:
         """Store one block on `replicas` shards (the owner first); True when at least one acknowledged every part.
 
         A shard that already holds the block acknowledges at once. Failures are logged. Where a unit of `align_bytes`
@@ -93,7 +94,7 @@ class CacheClient:
         stored = await asyncio.gather(*(self._put_on(shard, parts) for shard in self.shards_of(block_hash, replicas)))
         return any(stored)
 
-    async def get_block(self, block_hash: int) -> bytes | None:
+    async def get_block(self, block_hash: int) -> Payload | None:
         """The block's bytes from its owner, else from its replica shard; None when neither has a good copy."""
         data = await self._get_from(self.shard_of(block_hash), block_hash)
         if data is not None:
@@ -103,7 +104,7 @@ class CacheClient:
             return None
         return await self._get_from(self.replica_of(block_hash), block_hash)
 
-    async def get_block_parts(self, block_hash: int, window: int = 2) -> AsyncGenerator[bytes, None]:
+    async def get_block_parts(self, block_hash: int, window: int = 2) -> AsyncGenerator[Payload, None]:
         """The block's bytes part by part, in order, each verified, as they arrive (`window` parts in flight), from
         its owner, else (when the owner lacks its first part) from its replica shard.
 
@@ -137,7 +138,7 @@ class CacheClient:
             for _, task in in_flight:
                 task.cancel()
         if shard == self.shard_of(block_hash):
-            self._count_owner_get(block_hash, b"".join(raws))
+            self._count_owner_get(block_hash, join(raws))
 
     async def has_blocks(self, hashes: list[int]) -> list[bool]:
         """Which of `hashes` are stored on their owner or replica shard (one request per shard and round)."""
@@ -170,20 +171,20 @@ class CacheClient:
         acks = await asyncio.gather(*(self._ask(subject, part, Ack) for part in parts))
         return all(ack is not None for ack in acks)
 
-    async def _get_from(self, shard: int, block_hash: int) -> bytes | None:
+    async def _get_from(self, shard: int, block_hash: int) -> Payload | None:
         first = await self._get_part(shard, block_hash, 0)
         if first is None:
             return None
         rest = await asyncio.gather(*(self._get_part(shard, block_hash, i) for i in range(1, first.num_parts)))
-        raws: list[bytes] = []
+        raws: list[Payload] = []
         for index, part in enumerate([first, *rest]):
             raw = self._verified(block_hash, index, first.num_parts, part)
             if raw is None:
                 return None
             raws.append(raw)
-        return b"".join(raws)
+        return join(raws)
 
-    def _count_owner_get(self, block_hash: int, data: bytes) -> None:
+    def _count_owner_get(self, block_hash: int, data: Payload) -> None:
         """Count a fetch from the owner; at `hot_gets` copy the block to its replica shard (once)."""
         if self.num_shards == 1 or self.hot_gets < 1:
             return
@@ -199,7 +200,7 @@ class CacheClient:
         if len(self._owner_gets) > _HOT_ENTRIES:
             self._owner_gets.popitem(last=False)
 
-    async def _replicate(self, block_hash: int, data: bytes) -> None:
+    async def _replicate(self, block_hash: int, data: Payload) -> None:
         replica = self.replica_of(block_hash)
         if (await self._has_on(replica, [block_hash]))[0]:
             return
@@ -214,7 +215,7 @@ class CacheClient:
             return None
         return reply
 
-    def _verified(self, block_hash: int, index: int, num_parts: int, part: BlockPart | None) -> bytes | None:
+    def _verified(self, block_hash: int, index: int, num_parts: int, part: BlockPart | None) -> Payload | None:
         why = ""
         if part is None:
             why = "missing part"
@@ -227,7 +228,7 @@ class CacheClient:
             return None
         try:
             return decompress(part.codec, part.data, part.raw_size, _itemsize(part.raw_size))
-        except KvTransferError as exc:
+        except PayloadError as exc:
             log.warning("cache get refused a block", block_hash=block_hash, part=index, reason=str(exc))
             return None
 

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     print("tsukimi chat: loading the model...", file=sys.stderr, flush=True)
     engine = load_engine(args)
-    print(f"ready ({engine.runner.device}, {args.dtype}). {HELP}", file=sys.stderr, flush=True)
+    print(f"ready ({engine.config.torch_device}, {args.dtype}). {HELP}", file=sys.stderr, flush=True)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     turn = 0

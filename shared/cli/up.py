@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.cli.common import CliError, positive_int
-from shared.config import POLICIES, REJECTION_MODES, ConfigError, Settings, load_settings
+from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, load_settings
 from shared.nats_server import NatsServerError, find_nats_server, free_port, wait_for_port
+from shared.sim.engine import sim_model_name
+from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
 from shared.supervisor import Supervisor
 from shared.topology import SERVICES, Topology, TopologyError, module_file, nats_process_spec
 
@@ -44,6 +46,12 @@ share the CPU cores (TSUKIMI_NUM_THREADS) unless it is set; with several shards 
 shard-<i> folder each. Every other TSUKIMI_* variable of this shell is passed through (an unknown one is an error).
 The same topology in containers: `tsukimi compose`.
 
+Simulation (`--engine sim --profile llama3-70b-8xa800`): the same services, NATS, scheduler and cache-store, but no
+model runs: each prefill and decode step sleeps for the time a roofline model of that model on those GPUs predicts
+(shared/sim/profiles.py holds every constant and its source) and KV travels as sizes only, so one machine can stand
+in for a cluster of 70B-model nodes. The model id it serves ends in `-sim`. Unless set, it uses 512-token blocks, up
+to 256 sequences a batch and 1 TiB of cache-store DRAM a shard. `--colocated N` runs the vLLM-style baseline.
+
 Exit status: 0 after Ctrl-C or SIGTERM, 1 when the system did not come up in time, 2 for a bad argument or setting.
 """
 STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
@@ -56,8 +64,14 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "up", help="run the whole system locally (OpenAI-compatible API)", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--prefill", type=positive_int, default=1, metavar="N", help="prefill instances (default: 1)")
-    parser.add_argument("--decode", type=positive_int, default=1, metavar="N", help="decode instances (default: 1)")
+    parser.add_argument("--prefill", type=positive_int, metavar="N", help="prefill instances (default: 1)")
+    parser.add_argument("--decode", type=positive_int, metavar="N", help="decode instances (default: 1)")
+    parser.add_argument(
+        "--colocated", type=positive_int, metavar="N",
+        help="instead of prefill and decode pools, N instances that each prefill (chunked, with their own prefix "
+             "cache) and decode their requests: the vLLM-style baseline; route with --policy round_robin, "
+             "least_loaded or random",
+    )
     parser.add_argument(
         "--cache-stores", type=positive_int, default=1, metavar="N", help="cache-store shards (default: 1)"
     )
@@ -70,6 +84,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--log-dir", metavar="DIR", type=Path, help="where each process's log goes (default: a new temp dir)"
     )
+    sim = parser.add_argument_group("engine")
+    sim.add_argument("--engine", choices=ENGINES,
+                     help="real: run the model; sim: no model runs, each engine step sleeps for the time a roofline "
+                          "model of --profile predicts, and KV travels as sizes only (TSUKIMI_ENGINE)")
+    sim.add_argument("--profile", choices=sorted(PROFILES),
+                     help="model and GPUs the sim engine stands for (TSUKIMI_SIM_PROFILE; default llama3-70b-8xa800)")
     slo = parser.add_argument_group("scheduling (default: the TSUKIMI_* variables, else conductor, 10000 ms, 500 ms)")
     slo.add_argument("--policy", choices=POLICIES, help="placement policy (TSUKIMI_POLICY)")
     slo.add_argument("--slo-ttft-ms", type=float, metavar="MS",
@@ -89,7 +109,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def run(args: argparse.Namespace) -> int:
     if args.startup_timeout <= 0:
         raise CliError(f"--startup-timeout must be positive, got {args.startup_timeout}")
-    overrides = _scheduling_env(args)
+    overrides = _scheduling_env(args) | _deployment_env(args)
     settings = _environment_settings(overrides)
     topology = dataclasses.replace(_topology(args, settings), extra_env=tuple(sorted(overrides.items())))
     _check_port_free(topology.host, topology.port)
@@ -103,9 +123,15 @@ def run(args: argparse.Namespace) -> int:
         infra_specs.append(nats_process_spec(nats_binary, nats_port, log_dir / "nats-store"))
     counts = ", ".join(f"{topology.count(s)} {s.name}" for s in SERVICES)
     _say(f"starting {counts} on NATS {topology.nats_url}; logs in {log_dir}")
+    model_name = settings.model_name
+    if settings.engine_kind == "sim":
+        profile = get_profile(settings.sim_profile)
+        model_name = sim_model_name(profile)
+        _say(f"SIMULATION: no model runs; engine steps sleep for a roofline model of {profile.model.num_layers}-layer "
+             f"{profile.name} ({profile.num_gpus}x {profile.gpu.name} per instance), KV moves as sizes only")
     with _stop_on_signals() as stop:
         session = _Session(
-            topology, settings.model_name, args.startup_timeout, stop,
+            topology, model_name, args.startup_timeout, stop,
             infra=Supervisor(infra_specs, log_dir, say=_say),
             services=Supervisor(topology.process_specs(), log_dir, say=_say), nats_port=nats_port,
         )
@@ -224,18 +250,39 @@ def _scheduling_env(args: argparse.Namespace) -> dict[str, str]:
     return {name: str(value) for name, value in flags.items() if value is not None}
 
 
+def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
+    """--engine, --profile and --colocated as variables; a sim system also gets `SIM_ENV_DEFAULTS`, and a colocated
+    one the least_loaded routing, where neither the flags nor this shell say otherwise."""
+    if args.profile and args.engine != "sim":
+        raise CliError("--profile needs --engine sim")
+    env = {}
+    if args.engine == "sim":
+        env = {name: value for name, value in SIM_ENV_DEFAULTS.items() if name not in os.environ}
+        env["TSUKIMI_ENGINE"] = "sim"
+    if args.profile:
+        env["TSUKIMI_SIM_PROFILE"] = args.profile
+    if args.colocated:
+        env["TSUKIMI_DEPLOYMENT"] = "colocated"
+        if args.policy is None and "TSUKIMI_POLICY" not in os.environ:
+            env["TSUKIMI_POLICY"] = "least_loaded"
+    return env
+
+
 def _topology(args: argparse.Namespace, settings: Settings) -> Topology:
+    if args.colocated and (args.prefill or args.decode):
+        raise CliError("--colocated N replaces --prefill and --decode")
+    prefill, decode = (0, args.colocated) if args.colocated else (args.prefill or 1, args.decode or 1)
     model = None
     if args.model:
         path = Path(args.model).expanduser()
         if not path.exists():
             raise CliError(f"no model at {args.model}")
         model = str(path.resolve())
-    num_engines = args.prefill + args.decode
+    num_engines = prefill + decode
     threads = 0 if settings.engine.num_threads else max(1, (os.cpu_count() or 1) // num_engines)
     try:
         return Topology(
-            prefill=args.prefill, decode=args.decode, cache_stores=args.cache_stores,
+            prefill=prefill, decode=decode, cache_stores=args.cache_stores, colocated=bool(args.colocated),
             host=args.host or settings.host, port=settings.port if args.port is None else args.port,
             nats_url=args.nats_url or settings.nats_url, model=model, cache_ssd_dir=settings.cache_ssd_dir,
             engine_threads=threads,

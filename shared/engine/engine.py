@@ -17,7 +17,7 @@ from shared.engine.batching import Scheduler, StepPlan
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import LayerCallback
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.engine.runner import ModelRunner
+from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.model.checkpoint import Checkpoint, load_checkpoint
@@ -89,13 +89,16 @@ class LLMEngine:
     Args:
         checkpoint: model files (config, weights, tokenizer).
         config: engine settings.
+        runner: what runs each step (default: the model on `config`'s device; the sim backend passes its own).
     """
 
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, config: EngineConfig | None = None, runner: Runner | None = None
+    ) -> None:
         self.config = config or EngineConfig()
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
-        self.runner = ModelRunner(checkpoint, self.config)
+        self.runner: Runner = runner or ModelRunner(checkpoint, self.config)
         self.block_manager = BlockManager(
             self.runner.pool.num_blocks, self.config.block_size,
             make_namespace(checkpoint.fingerprint, self.config.kv_codec),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.kv_cache import KVPool
+from shared.payload import Payload, SizeOnly
 
 
 class PrefixLoad:
@@ -23,7 +24,8 @@ class PrefixLoad:
     [num_layers, 2, kv_heads, 1, block_size, head_dim] in the pool dtype. Each block's bytes come in order, in pieces
     of any size (`write`); every layer completed is copied into the pool at once. Layer `l` is ready when every block
     has its layer `l` in the pool. A failed or abandoned load takes no more writes, and layers never ready are never
-    read as valid: `wait_layer` says False.
+    read as valid: `wait_layer` says False. A size-only piece (the sim engine's KV, whose pool holds no values) counts
+    its bytes and copies nothing.
 
     Thread-safety: `write` and `fail` come from the loader's thread, `wait_layer` and `close` from the engine's.
 
@@ -68,7 +70,7 @@ class PrefixLoad:
     def is_layer_ready(self, layer_idx: int) -> bool:
         return self._num_ready > layer_idx
 
-    def write(self, block_index: int, data: bytes) -> bool:
+    def write(self, block_index: int, data: Payload) -> bool:
         """Take the next `data` bytes of loaded block `block_index`, copying each layer they complete into the pool.
 
         Returns:
@@ -82,12 +84,16 @@ class PrefixLoad:
             if first * self.layer_bytes + len(staged) + len(data) > self.block_bytes:
                 self._fail(f"block {block_index} has more than {self.block_bytes} bytes")
                 return False
-            staged += data
+            if isinstance(data, SizeOnly):  # the sim engine's pool holds no values: layers complete by count
+                num_new = len(data) // self.layer_bytes
+            else:
+                staged += data
+                num_new = len(staged) // self.layer_bytes
             self._last_progress = self.clock()
-            num_new = len(staged) // self.layer_bytes
             if num_new:
-                self._copy(block_index, first, staged[: num_new * self.layer_bytes])
-                del staged[: num_new * self.layer_bytes]
+                if not isinstance(data, SizeOnly):
+                    self._copy(block_index, first, staged[: num_new * self.layer_bytes])
+                    del staged[: num_new * self.layer_bytes]
                 self._num_layers_in[block_index] = first + num_new
                 self._advance()
             return True

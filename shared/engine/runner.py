@@ -5,6 +5,8 @@ It does not decide what runs (that is `batching.Scheduler`) nor what text comes 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from kernels.backend import KernelBackend, select_backend
@@ -15,6 +17,18 @@ from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_model
+
+
+class Runner(Protocol):
+    """What the engine needs of a runner: the KV pool, the sampler's per-request state, and one step."""
+
+    pool: KVPool
+    sampler: Sampler
+
+    def execute(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
+        before_layer: LayerCallback | None = None,
+    ) -> dict[str, int]: ...
 
 
 class ModelRunner:

@@ -27,6 +27,13 @@ class LlamaConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @property
+    def num_layer_matmul_parameters(self) -> int:
+        """Weights of every layer's matmuls (q, k, v, o, gate, up, down): each costs 2 FLOPs per token."""
+        h = self.hidden_size
+        attention = 2 * h * self.num_heads * self.head_dim + 2 * h * self.num_kv_heads * self.head_dim
+        return self.num_layers * (attention + 3 * h * self.intermediate_size)
+
+    @property
     def num_parameters(self) -> int:
         """Weights in the model (embedding counted once when tied)."""
         h, i = self.hidden_size, self.intermediate_size

@@ -20,7 +20,7 @@ from shared.bus import Bus, BusError
 from shared.cache.block import StoredBlock
 from shared.cache.client import CacheClient
 from shared.config import load_settings
-from shared.kv_wire import checksum
+from shared.payload import checksum
 from shared.protocol import (
     Ack,
     BlockGet,

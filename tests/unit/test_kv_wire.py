@@ -13,19 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.kv_wire import (
-    CODEC_LZ4_SHUFFLE,
-    CODEC_RAW,
-    DTYPE_NAMES,
-    KvAssembly,
-    KvReceiver,
-    KvTransferError,
-    checksum,
-    chunk_layer_kv,
-    compress,
-    decompress,
-    num_kv_chunks,
-)
+from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvReceiver, KvTransferError, chunk_layer_kv, num_kv_chunks
+from shared.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, checksum, compress, decompress
 from shared.protocol import KvChunk, decode, encode
 
 DTYPES = list(DTYPE_NAMES.values())
@@ -147,13 +136,13 @@ def test_decompress_refuses_bad_payloads() -> None:
     raw = bytes(4096)
     codec, data = compress(raw, 4)
     assert codec == CODEC_LZ4_SHUFFLE
-    with pytest.raises(KvTransferError, match="unknown KV codec"):
+    with pytest.raises(PayloadError, match="unknown payload codec"):
         decompress("zstd", data, len(raw), 4)
-    with pytest.raises(KvTransferError, match="expected 4000"):
+    with pytest.raises(PayloadError, match="expected 4000"):
         decompress(codec, data, 4000, 4)
-    with pytest.raises(KvTransferError, match="does not decode"):
+    with pytest.raises(PayloadError, match="does not decode"):
         decompress(codec, data[:-3], len(raw), 4)
-    with pytest.raises(KvTransferError, match="expected 10"):
+    with pytest.raises(PayloadError, match="expected 10"):
         decompress(CODEC_RAW, b"12345678", 10, 2)
 
 

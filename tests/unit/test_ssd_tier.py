@@ -13,7 +13,7 @@ from shared.cache import blockfile, ssd
 from shared.cache.block import StoredBlock
 from shared.cache.blockfile import BlockFileError, encode_header, parse_block_file, parse_header
 from shared.cache.ssd import CorruptBlockError, SsdFullError, SsdTier
-from shared.kv_wire import checksum
+from shared.payload import checksum
 from shared.protocol import BlockPut
 
 

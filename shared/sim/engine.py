@@ -1,0 +1,122 @@
+"""The sim engine: the real `LLMEngine` (batching, chunked prefill, prefix cache, stop conditions) over `SimRunner`,
+which sleeps for the profile's predicted step time instead of running a model, and whose KV pool is a meta tensor
+(shapes and sizes, no values). Every generated token is the same word.
+
+It does not decide step times (that is `shared.sim.cost`) nor what a profile is (`shared.sim.profiles`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from shared.engine.batching import StepPlan
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.kv_cache import KVPool, LayerCallback
+from shared.engine.sampling import Sampler
+from shared.model.checkpoint import Checkpoint, default_model_path
+from shared.model.gguf_file import read_gguf_metadata
+from shared.model.tokenizer import Tokenizer
+from shared.sim.cost import StepWork, step_time
+from shared.sim.profiles import SimProfile, get_profile
+
+SIM_WORD = " sim"  # what every simulated token decodes to
+# A step that starts within this long of the previous one's end continues a busy engine: the host's own time between
+# them (delivering tokens over NATS, the event loop) counts towards its sleep, as a GPU engine's CPU work overlaps.
+BACK_TO_BACK_S = 0.05
+
+
+def sim_model_name(profile: SimProfile) -> str:
+    """The model id the API serves under the sim backend: the profile's name, marked as simulated."""
+    return f"{profile.name}-sim"
+
+
+def sim_checkpoint(profile: SimProfile, tokenizer_path: str | None = None) -> Checkpoint:
+    """The profile's architecture with no weights, and a real tokenizer (the default model's unless a GGUF is given),
+    so prompts and streamed text work as usual. The fingerprint names the profile, so block hashes of a sim system
+    never match a real model's."""
+    path = Path(tokenizer_path) if tokenizer_path else default_model_path()
+    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    fingerprint = hashlib.blake2b(f"sim:{profile.name}".encode(), digest_size=8).hexdigest()
+    return Checkpoint(profile.model, {}, tokenizer, fingerprint, path)
+
+
+class SimRunner:
+    """Stands in for `ModelRunner`: each step sleeps for `step_time` of its work, layer by layer when the engine
+    hooks layers (prefill streams KV per layer, and waits per layer for a loaded prefix), and samples `token_id`.
+    Back-to-back steps are paced from the previous step's end (see `BACK_TO_BACK_S`), so a busy engine steps at the
+    modelled rate as long as this host keeps up.
+
+    Args:
+        profile: the model and GPUs simulated.
+        config: engine settings; the pool holds as many `block_size` blocks as the profile's GPU memory allows
+            (`kv_cache_bytes` is ignored).
+        token_id: the token every step produces.
+    """
+
+    def __init__(self, profile: SimProfile, config: EngineConfig, token_id: int) -> None:
+        self.profile, self.token_id = profile, token_id
+        num_blocks = profile.kv_capacity_tokens // config.block_size
+        if num_blocks < 2:
+            raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
+        self.pool = KVPool(profile.model, num_blocks, config.block_size, torch.bfloat16, torch.device("meta"))
+        self.sampler = Sampler()
+        self.last_step_s = 0.0  # the predicted time of the last step
+        self._last_end = -math.inf  # perf_counter() when the last step ended
+
+    def execute(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
+        before_layer: LayerCallback | None = None,
+    ) -> dict[str, int]:
+        work = StepWork(
+            num_new_tokens=sum(c.num_tokens for c in plan.chunks),
+            num_sampled=sum(c.completes_sequence for c in plan.chunks),
+            attention_work=sum(c.attention_work for c in plan.chunks),
+            num_kv_tokens_read=sum(c.seq.num_computed_tokens + c.num_tokens for c in plan.chunks),
+        )
+        self.last_step_s = step_time(self.profile, work).total
+        now = time.perf_counter()
+        start = self._last_end if now - self._last_end < BACK_TO_BACK_S else now
+        if after_layer is None and before_layer is None:
+            _sleep_until(start + self.last_step_s)
+        else:
+            self._layer_by_layer(start, self.last_step_s, after_layer, before_layer)
+        self._last_end = time.perf_counter()
+        return {c.seq.request_id: self.token_id for c in plan.chunks if c.completes_sequence}
+
+    def _layer_by_layer(self, start: float, seconds: float, after_layer: LayerCallback | None,
+                        before_layer: LayerCallback | None) -> None:
+        """Each layer takes its share of the step; a wait for loaded prefix KV delays the layers after it."""
+        num_layers = self.profile.model.num_layers
+        per_layer = seconds / num_layers
+        due = start
+        for layer in range(num_layers):
+            if before_layer is not None:
+                before_layer(layer)
+            due = max(due, time.perf_counter()) + per_layer
+            _sleep_until(due)
+            if after_layer is not None:
+                after_layer(layer)
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def build_sim_engine(profile_name: str, config: EngineConfig, tokenizer_path: str | None = None) -> LLMEngine:
+    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`).
+
+    Raises:
+        ValueError: an unknown profile, or a block size that leaves fewer than 2 blocks.
+    """
+    profile = get_profile(profile_name)
+    checkpoint = sim_checkpoint(profile, tokenizer_path)
+    token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
+    return LLMEngine(checkpoint, config, runner=SimRunner(profile, config, token_id))
