@@ -28,9 +28,9 @@ from nats.aio.msg import Msg
 
 from shared.bus import Bus
 from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvReceiver, chunk_layer_kv, num_kv_chunks
-from shared.payload import checksum
 from shared.log import configure_logging
 from shared.nats_server import EmbeddedNatsServer
+from shared.payload import checksum
 from shared.protocol import KvChunk, Message, Subjects
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M

@@ -26,7 +26,7 @@ from shared.cache.tiers import CacheStats, TieredStore
 from shared.config import ConfigError, Settings
 from shared.heartbeat import HeartbeatSender, Load
 from shared.log import get_logger
-from shared.payload import checksum
+from shared.payload import CODEC_SIZE_ONLY, checksum
 from shared.protocol import (
     Ack,
     BlockGet,
@@ -224,6 +224,8 @@ class CacheStoreService:
             return f"part {msg.part} outside 0..{msg.num_parts - 1}"
         if checksum(msg.data) != msg.checksum:
             return f"checksum mismatch in part {msg.part}"
+        if msg.codec == CODEC_SIZE_ONLY and msg.data:
+            return f"size-only part {msg.part} carries {len(msg.data)} bytes"
         pending = self.pending.get(msg.block_hash)
         if pending is not None and pending.num_parts != msg.num_parts:
             return f"part count {msg.num_parts} disagrees with earlier parts ({pending.num_parts})"

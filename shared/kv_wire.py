@@ -79,6 +79,8 @@ def chunk_layer_kv(
     _, num_kv_heads, num_tokens, head_dim = kv.shape
     itemsize = kv.element_size()
     if kv.is_meta:
+        if num_tokens == 0:
+            return []
         return [KvChunk(request_id, first_seq, total, layer_idx, layer_idx + 1, 0, num_tokens, _WIRE_NAMES[kv.dtype],
                         CODEC_SIZE_ONLY, kv.numel() * itemsize, checksum(b""), b"")]
     kv = kv.detach().cpu()

@@ -8,7 +8,7 @@ import struct
 from dataclasses import dataclass
 
 from shared.cache.block import StoredBlock
-from shared.payload import checksum
+from shared.payload import CODEC_SIZE_ONLY, checksum
 from shared.protocol import BlockPut
 
 MAGIC = b"TKVB"
@@ -46,6 +46,11 @@ class BlockFileHeader:
     @property
     def file_len(self) -> int:
         return self.header_len + sum(p.data_len for p in self.parts)
+
+    @property
+    def num_counted_bytes(self) -> int:
+        """What the block counts for in the tier: the file, with size-only parts at the size they stand for."""
+        return self.header_len + sum(p.raw_size if p.codec == CODEC_SIZE_ONLY else p.data_len for p in self.parts)
 
 
 def encode_header(block_hash: int, block: StoredBlock) -> bytes:

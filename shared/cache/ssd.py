@@ -252,7 +252,8 @@ class SsdTier:
 
 
 def _checked_file(path: Path, block_hash: int) -> tuple[int, int] | None:
-    """(mtime_ns, size) of a block file whose header is valid, names `block_hash` and matches its size; else None."""
+    """(mtime_ns, counted size) of a block file whose header is valid, names `block_hash` and matches its size; else
+    None. A size-only block counts the size it stands for, as when it was written."""
     try:
         with path.open("rb") as f:
             head = f.read(blockfile.HEAD.size)
@@ -262,7 +263,7 @@ def _checked_file(path: Path, block_hash: int) -> tuple[int, int] | None:
         return None
     if header.block_hash != block_hash or header.file_len != stat.st_size:
         return None
-    return stat.st_mtime_ns, stat.st_size
+    return stat.st_mtime_ns, header.num_counted_bytes
 
 
 def _unlink(path: Path) -> None:

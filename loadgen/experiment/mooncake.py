@@ -1,0 +1,165 @@
+"""The Mooncake experiment on the sim backend: replay the trace's first requests, time-scaled to a sweep of loads,
+against (a) a colocated baseline of 2N instances and (b) tsukimi with N prefill + N decode and the Conductor, then
+tsukimi under each placement policy at one load. Every run is a fresh `tsukimi up --engine sim` on loopback.
+
+It runs and collects; the capacity arithmetic is `capacity.py`, the JSON and markdown are `report.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadgen.client import ClientOptions, ServerError, resolve_model
+from loadgen.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
+from loadgen.metrics import Slo, Summary, summarize
+from loadgen.record import RequestRecord
+from loadgen.runner import RunOptions, run
+from loadgen.trace import TraceOptions, load_trace
+from loadgen.workload import PlannedRequest
+
+TSUKIMI, BASELINE = "tsukimi", "baseline"
+POLICIES = ("random", "least_loaded", "local_cache_aware", "conductor")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """What to run.
+
+    Attributes:
+        num_prefill, num_decode: tsukimi's pools; the baseline has num_prefill + num_decode colocated instances.
+        num_requests: the trace's first requests replayed in every run.
+        time_scales: the loads of the sweep (arrival times multiplied by each; larger is lighter).
+        policy_time_scale: the load at which the policies are compared (one of `time_scales`).
+        baseline_route: how the colocated baseline routes (least_loaded or round_robin).
+    """
+
+    trace: Path
+    log_dir: Path
+    profile: str = "llama3-70b-8xa800"
+    num_prefill: int = 2
+    num_decode: int = 2
+    num_cache_stores: int = 2
+    num_requests: int = 50
+    time_scales: tuple[float, ...] = (6.0, 4.0, 2.5)
+    policy_time_scale: float = 4.0
+    policies: tuple[str, ...] = POLICIES
+    baseline_route: str = "least_loaded"
+    ttft_slo_ms: float = 30_000.0
+    tbt_slos_ms: tuple[float, ...] = (100.0, 200.0, 300.0)
+    request_timeout_s: float = 180.0
+    seed: int = 0
+
+    def slos(self) -> list[Slo]:
+        return [Slo(self.ttft_slo_ms, tbt) for tbt in self.tbt_slos_ms]
+
+
+@dataclass
+class RunOutcome:
+    """One run: which system, at which load, and what each request got."""
+
+    system: str  # TSUKIMI or BASELINE
+    policy: str
+    time_scale: float
+    rate: float  # offered requests/s
+    records: list[RequestRecord] = field(default_factory=list)
+    placements: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    wall_s: float = 0.0
+
+    def summary(self, slo: Slo) -> Summary:
+        return summarize(self.records, slo)
+
+    @property
+    def label(self) -> str:
+        return f"{self.system} ({self.policy}) at {self.rate:.2f} req/s"
+
+
+@dataclass(frozen=True)
+class _Run:
+    system: str
+    policy: str
+    time_scale: float
+
+
+def plan_runs(config: ExperimentConfig) -> list[_Run]:
+    """The sweep for both systems, then each other policy at `policy_time_scale` (conductor's run is shared)."""
+    runs = []
+    for scale in config.time_scales:
+        runs += [_Run(BASELINE, config.baseline_route, scale), _Run(TSUKIMI, "conductor", scale)]
+    runs += [_Run(TSUKIMI, p, config.policy_time_scale) for p in config.policies if p != "conductor"]
+    return runs
+
+
+def offered_rate(requests: list[PlannedRequest]) -> float:
+    """Requests per second of the replay: the count over the span of the arrivals."""
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    return len(requests) / span if span > 0 else float("inf")
+
+
+def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list[RunOutcome]:
+    """Every planned run in turn; a run whose system does not come up is recorded with its error, and the rest go on.
+
+    Raises:
+        TraceError: the trace cannot be read.
+    """
+    runs = plan_runs(config)
+    workloads = {scale: load_trace(config.trace, TraceOptions(config.num_requests, scale, seed=config.seed))
+                 for scale in sorted(set(config.time_scales))}
+    outcomes = []
+    for index, planned in enumerate(runs, 1):
+        requests = workloads[planned.time_scale]
+        outcome = RunOutcome(planned.system, planned.policy, planned.time_scale, offered_rate(requests))
+        say(f"[{index}/{len(runs)}] {outcome.label}: {len(requests)} requests")
+        _run_one(config, outcome, requests, config.log_dir / f"run-{index:02d}-{planned.system}-{planned.policy}",
+                 say)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _spec(config: ExperimentConfig, outcome: RunOutcome) -> SystemSpec:
+    common = dict(policy=outcome.policy, num_cache_stores=config.num_cache_stores, engine="sim",
+                  profile=config.profile, rejection="off", slo_ttft_ms=config.ttft_slo_ms,
+                  slo_tbt_ms=max(config.tbt_slos_ms))
+    if outcome.system == BASELINE:
+        return SystemSpec(colocated=config.num_prefill + config.num_decode, **common)  # type: ignore[arg-type]
+    return SystemSpec(num_prefill=config.num_prefill, num_decode=config.num_decode, **common)  # type: ignore[arg-type]
+
+
+def _run_one(config: ExperimentConfig, outcome: RunOutcome, requests: list[PlannedRequest], log_dir: Path,
+             say: Callable[[str], None]) -> None:
+    started = time.monotonic()
+    try:
+        system = start_system(_spec(config, outcome), log_dir, say)
+    except StartError as exc:
+        outcome.error = f"did not come up: {exc}"
+        say(f"  {outcome.error}")
+        return
+    try:
+        outcome.records = asyncio.run(_replay(system.base_url, requests, config))
+    except ServerError as exc:
+        outcome.error = f"the run broke off: {exc}"
+        say(f"  {outcome.error}")
+    finally:
+        code, took = stop_system(system)
+        outcome.wall_s = time.monotonic() - started
+    outcome.placements = placement_counts(log_dir)
+    first = outcome.summary(config.slos()[0])
+    say(f"  done in {outcome.wall_s:.0f} s (stop {took:.1f} s, exit {code}): {first.num_completed} completed, "
+        f"{first.num_failed} failed; TTFT mean {_ms(first.ttft.mean_ms)}, TBT p90 {_ms(first.tbt.p90_ms)}")
+
+
+async def _replay(base_url: str, requests: list[PlannedRequest], config: ExperimentConfig) -> list[RequestRecord]:
+    model = await resolve_model(base_url, None)
+    options = RunOptions(ClientOptions(base_url, model, request_timeout_s=config.request_timeout_s),
+                         show_progress=sys.stderr.isatty())
+    result = await run(requests, options)
+    return result.records
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f} ms"

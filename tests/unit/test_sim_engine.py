@@ -1,0 +1,272 @@
+"""The sim engine: the real LLMEngine over a runner that sleeps the profile's predicted step time (on a fake clock here)
+and samples one fixed word; its KV pool is a meta tensor whose prompt KV, blocks and prefix loads travel as sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import shared.sim.engine as sim_engine
+from services.engine_host import block_to_bytes
+from shared.engine.batching import ScheduledChunk, StepPlan
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine, PrefilledRequest, RequestOutput
+from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import FinishReason, Sequence
+from shared.kv_wire import KvAssembly, chunk_layer_kv, num_kv_chunks
+from shared.model.checkpoint import Checkpoint
+from shared.model.config import LlamaConfig
+from shared.payload import SizeOnly
+from shared.protocol import KvChunk, decode, encode
+from shared.sim.cost import StepWork, step_time
+from shared.sim.engine import (
+    BACK_TO_BACK_S,
+    SIM_WORD,
+    SimRunner,
+    build_sim_engine,
+    sim_checkpoint,
+    sim_model_name,
+)
+from shared.sim.profiles import GpuSpec, SimProfile, get_profile
+
+PROFILE = get_profile("llama3-70b-8xa800")
+CFG = PROFILE.model  # 80 layers, 8 kv heads, head dim 128
+BLOCK = 512
+CHUNK = 1024
+TINY = SimProfile(
+    "tiny",
+    LlamaConfig(vocab_size=1000, hidden_size=100, intermediate_size=300, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=25, rope_theta=1e4, rms_norm_eps=1e-5, max_position=4096, tie_word_embeddings=False),
+    GpuSpec("tiny", peak_flops=1e9, memory_bandwidth=1e8, memory_bytes=1e7, link_bandwidth=1e5, source="test"),
+    num_gpus=2,
+)
+
+
+class FakeTime:
+    """Stands in for the `time` module inside shared.sim.engine: a sleep moves the clock on, nothing waits."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds > 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeTime]:
+    fake = FakeTime()
+    monkeypatch.setattr(sim_engine, "time", fake)
+    yield fake
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Checkpoint:
+    return sim_checkpoint(PROFILE)
+
+
+def make_engine(checkpoint: Checkpoint, max_num_batched_tokens: int = CHUNK) -> LLMEngine:
+    config = EngineConfig(block_size=BLOCK, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
+    token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
+    return LLMEngine(checkpoint, config, runner=SimRunner(PROFILE, config, token_id))
+
+
+def runner_of(engine: LLMEngine) -> SimRunner:
+    assert isinstance(engine.runner, SimRunner)
+    return engine.runner
+
+
+def prompt(num_tokens: int, start: int = 100) -> list[int]:
+    return list(range(start, start + num_tokens))
+
+
+def prefill_work(num_new: int, num_before: int, completes: bool) -> StepWork:
+    return StepWork(num_new, int(completes), num_new * num_before + num_new * (num_new + 1) // 2, num_before + num_new)
+
+
+def test_generate_gives_max_tokens_of_the_sim_word(clock: FakeTime) -> None:
+    engine = build_sim_engine("llama3-70b-8xa800", EngineConfig(block_size=BLOCK))
+    (token_id,) = engine.tokenizer.encode(SIM_WORD)
+    long, short = engine.generate([prompt(600), prompt(7, start=5)], SamplingParams(max_tokens=5))
+    for done in (long, short):
+        assert done.token_ids == [token_id] * 5
+        assert done.text == SIM_WORD * 5 and done.finish_reason == FinishReason.LENGTH
+    assert (long.num_prompt_tokens, short.num_prompt_tokens) == (600, 7)
+    (one,) = engine.generate([prompt(3)], SamplingParams(max_tokens=1))
+    assert one.text == SIM_WORD and one.token_ids == [token_id]
+    assert clock.sleeps  # it slept on the fake clock, never for real
+
+
+def test_sim_names_and_unknown_profiles() -> None:
+    assert sim_model_name(PROFILE) == "llama3-70b-8xa800-sim"
+    assert sim_checkpoint(PROFILE).fingerprint == sim_checkpoint(PROFILE).fingerprint
+    assert sim_checkpoint(PROFILE).fingerprint != sim_checkpoint(get_profile("llama2-70b-8xa800")).fingerprint
+    with pytest.raises(ValueError, match="unknown sim profile"):
+        build_sim_engine("llama9-1t", EngineConfig(block_size=BLOCK))
+    with pytest.raises(ValueError, match="room for 1 KV blocks"):
+        SimRunner(TINY, EngineConfig(block_size=32768), token_id=7)  # 42797 tokens of KV fit
+
+
+def test_each_step_sleeps_the_predicted_time_of_its_work(clock: FakeTime, checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    runner = runner_of(engine)
+    engine.add_request("r1", prompt(1500), SamplingParams(max_tokens=3))
+    expected = [
+        prefill_work(CHUNK, 0, completes=False),  # first chunk: nothing sampled
+        prefill_work(1500 - CHUNK, CHUNK, completes=True),  # the rest of the prompt, then the first token
+        StepWork(1, 1, 1501, 1501),  # a decode step reads the whole context
+    ]
+    for work in expected:
+        before = clock.now
+        engine.step()
+        assert runner.last_step_s == step_time(PROFILE, work).total
+        assert clock.now - before == pytest.approx(runner.last_step_s)  # no host time between steps here
+        assert engine.last_step is not None
+        assert (engine.last_step.num_new_tokens, engine.last_step.attention_work) == (
+            work.num_new_tokens, work.attention_work)
+
+
+def test_back_to_back_steps_count_the_host_s_time(clock: FakeTime, checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    runner = runner_of(engine)
+    engine.add_request("r1", prompt(100), SamplingParams(max_tokens=10))
+    engine.step()  # prefill
+    decode_s = step_time(PROFILE, StepWork(1, 1, 101, 101)).total
+    assert decode_s > 0.01
+    clock.now += 0.01  # the host delivered tokens for 10 ms: the next step sleeps only the rest
+    engine.step()
+    assert runner.last_step_s == decode_s and clock.sleeps[-1] == pytest.approx(decode_s - 0.01)
+    clock.now += BACK_TO_BACK_S + 1.0  # idle in between: a fresh step sleeps its whole time
+    engine.step()
+    assert clock.sleeps[-1] == pytest.approx(step_time(PROFILE, StepWork(1, 1, 102, 102)).total)
+    num_sleeps = len(clock.sleeps)
+    clock.now += min(BACK_TO_BACK_S * 0.99, 2 * decode_s)  # a host slower than the step: no sleep at all
+    engine.step()
+    assert len(clock.sleeps) == num_sleeps
+
+
+def test_a_repeated_prefix_comes_from_the_prefix_cache(clock: FakeTime, checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint, max_num_batched_tokens=2048)
+    runner = runner_of(engine)
+    shared_prefix = prompt(2 * BLOCK)
+    (first,) = engine.generate([shared_prefix + prompt(40, start=1)], SamplingParams(max_tokens=2))
+    assert first.num_cached_tokens == 0
+    engine.add_request("r2", shared_prefix + prompt(30, start=7), SamplingParams(max_tokens=2))
+    (out,) = engine.step()
+    assert out.num_cached_tokens == 1024
+    assert runner.last_step_s == step_time(PROFILE, prefill_work(30, 1024, completes=True)).total
+
+
+def test_the_pool_is_meta_and_prompt_kv_is_read_layer_by_layer(clock: FakeTime, checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    pool = runner_of(engine).pool
+    assert pool.tensor.is_meta and pool.tensor.dtype == torch.bfloat16
+    num_blocks = PROFILE.kv_capacity_tokens // BLOCK
+    assert tuple(pool.tensor.shape) == (80, 2, 8, num_blocks, BLOCK, 128)
+    assert engine.block_manager.num_blocks == num_blocks
+    engine.add_request("r1", prompt(700), SamplingParams(max_tokens=4))
+    seen: list[tuple[int, list[str], torch.Tensor]] = []
+
+    def on_layer(layer_idx: int, seqs: list[Sequence]) -> None:
+        seen.append((layer_idx, [s.request_id for s in seqs], engine.read_prompt_kv("r1", layer_idx)))
+
+    engine.step(on_layer)
+    assert [layer for layer, _, _ in seen] == list(range(CFG.num_layers))
+    assert all(ids == ["r1"] for _, ids, _ in seen)
+    for _, _, kv in seen:
+        assert kv.is_meta and kv.dtype == torch.bfloat16 and tuple(kv.shape) == (2, 8, 700, 128)
+    per_layer = runner_of(engine).last_step_s / CFG.num_layers
+    assert clock.sleeps[-CFG.num_layers:] == pytest.approx([per_layer] * CFG.num_layers)  # paced layer by layer
+    engine.step(on_layer)  # a decode step streams nothing
+    assert len(seen) == CFG.num_layers
+
+
+def test_the_runner_calls_layer_hooks_in_order_and_a_wait_delays_later_layers(clock: FakeTime) -> None:
+    runner = SimRunner(TINY, EngineConfig(block_size=16), token_id=7)
+    seq = Sequence("r1", list(range(20)), 20, SamplingParams())
+    events: list[tuple[str, int]] = []
+
+    def before(layer_idx: int) -> None:
+        events.append(("before", layer_idx))
+        if layer_idx == 1:
+            clock.now += 5.0  # waiting for loaded prefix KV
+
+    start = clock.now
+    sampled = runner.execute(StepPlan([ScheduledChunk(seq, 20)], []), {"r1": [0, 1]},
+                             after_layer=lambda i: events.append(("after", i)), before_layer=before)
+    assert sampled == {"r1": 7}
+    assert events == [("before", 0), ("after", 0), ("before", 1), ("after", 1)]
+    assert runner.last_step_s == step_time(TINY, prefill_work(20, 0, completes=True)).total
+    assert clock.now - start == pytest.approx(5.0 + runner.last_step_s)  # layer 1 runs after the wait, in full
+    partial = runner.execute(StepPlan([ScheduledChunk(seq, 10)], []), {"r1": [0]})
+    assert partial == {} and runner.last_step_s == step_time(TINY, prefill_work(10, 0, completes=False)).total
+
+
+def test_prompt_kv_travels_as_sizes_from_a_prefill_engine_to_a_decode_engine(
+    clock: FakeTime, checkpoint: Checkpoint
+) -> None:
+    prefill, decode_engine = make_engine(checkpoint), make_engine(checkpoint)
+    ids = prompt(600)
+    prefill.add_request("r1", ids, SamplingParams(max_tokens=3))
+    total = num_kv_chunks(CFG.num_layers, len(ids), 2 * 8 * 128 * 2, 1 << 20, is_size_only=True)
+    chunks: list[KvChunk] = []
+
+    def on_layer(layer_idx: int, seqs: list[Sequence]) -> None:
+        kv = prefill.read_prompt_kv("r1", layer_idx)
+        chunks.extend(chunk_layer_kv("r1", layer_idx, kv, len(chunks), total, max_chunk_bytes=1 << 20))
+
+    (first,) = prefill.step(on_layer)
+    assert total == len(chunks) == CFG.num_layers and all(c.data == b"" for c in chunks)
+    assembly = KvAssembly("r1", total)
+    for chunk in chunks:
+        assembly.add(decode(encode(chunk), KvChunk))
+    kv = assembly.assemble(CFG.num_layers, 8, 128, torch.bfloat16)
+    assert kv.is_meta and tuple(kv.shape) == (80, 2, 8, 600, 128)
+    decode_engine.add_prefilled(PrefilledRequest(
+        "r1", ids, first.new_token_ids[0], len(first.new_text), SamplingParams(max_tokens=3), kv))
+    outputs: list[RequestOutput] = []
+    while decode_engine.has_unfinished():
+        outputs += decode_engine.step()
+    assert "".join(o.new_text for o in outputs) == SIM_WORD * 2
+    assert outputs[-1].finish_reason == FinishReason.LENGTH and outputs[-1].num_output_tokens == 3
+    assert runner_of(decode_engine).last_step_s == step_time(PROFILE, StepWork(1, 1, 602, 602)).total
+
+
+def test_prefilled_kv_of_the_wrong_shape_is_refused(checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    kv = torch.empty(80, 2, 8, 599, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="prompt KV has shape"):
+        engine.add_prefilled(PrefilledRequest("r1", prompt(600), 895, 0, SamplingParams(), kv))
+
+
+def test_blocks_export_as_sizes_and_load_back_as_a_prefix(clock: FakeTime, checkpoint: Checkpoint) -> None:
+    source, engine = make_engine(checkpoint), make_engine(checkpoint)
+    ids = prompt(2 * BLOCK + 76)
+    source.add_request("r0", ids, SamplingParams(max_tokens=2))
+    source.step()
+    blocks = source.export_blocks("r0", 0, 2)
+    assert blocks.is_meta and tuple(blocks.shape) == (80, 2, 8, 2, BLOCK, 128)
+    block_bytes = [block_to_bytes(blocks[:, :, :, i : i + 1]) for i in range(2)]
+    assert block_bytes == [SizeOnly(PROFILE.kv_bytes_per_token * BLOCK)] * 2
+    loads: list[PrefixLoad] = []
+
+    def start(first_block: int, block_ids: list[int]) -> PrefixLoad:
+        assert first_block == 0 and len(block_ids) == 2
+        load = PrefixLoad(runner_of(engine).pool, block_ids)
+        for i, data in enumerate(block_bytes):
+            assert load.write(i, data)
+        loads.append(load)
+        return load
+
+    engine.add_request("r1", ids, SamplingParams(max_tokens=2), prefix_source=PrefixSource(2 * BLOCK, start))
+    (out,) = engine.step()
+    assert loads[0].is_complete and out.num_cached_tokens == 2 * BLOCK
+    assert runner_of(engine).last_step_s == step_time(PROFILE, prefill_work(76, 2 * BLOCK, completes=True)).total
