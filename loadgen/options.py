@@ -51,6 +51,7 @@ examples:
       --slo-ttft-ms 30000 --slo-tbt-ms 200 --json run.json --plot plots/
   tsukimi-loadgen --num-requests 500 --rate 8 --burstiness 0.5 --input-len 256 --output-len 64
   tsukimi-loadgen --concurrency 16 --num-requests 200 --shared-prefix-len 256 --num-prefix-groups 4
+  tsukimi-loadgen experiment mooncake --quick   # the Mooncake paper's experiment on the sim backend (its --help)
 """
 
 

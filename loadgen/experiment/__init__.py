@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -66,7 +67,18 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, metavar="N", help="requests per run (default: 80; quick 16)")
     parser.add_argument("--time-scales", metavar="X,Y,...",
                         help="loads of the sweep: arrival times multiplied by each (default: 4,2.5,1.5; quick 4,2)")
+    parser.add_argument("--policies", metavar="A,B,...",
+                        help=f"placement policies compared at one load (default: {','.join(POLICIES)}; quick: "
+                             "random,conductor)")
     parser.add_argument("--log-dir", type=Path, metavar="DIR", help="every process's log (default: a temp folder)")
+    real = parser.add_argument_group("the real model instead (SmolLM2 on this machine's CPU; scale the trace down)")
+    real.add_argument("--engine", choices=("sim", "real"), default="sim", help="default: sim")
+    real.add_argument("--input-scale", type=float, default=1.0, metavar="X",
+                      help="each 512-token trace block becomes round(512 X) tokens; input lengths scale alike")
+    real.add_argument("--output-scale", type=float, default=1.0, metavar="X", help="output lengths times X")
+    real.add_argument("--ttft-slo-ms", type=float, default=30_000.0, metavar="MS", help="default: 30000 (the paper's)")
+    real.add_argument("--tbt-slos-ms", default="100,200,300", metavar="A,B,C",
+                      help="TBT SLOs, each reported apart (default: 100,200,300, the paper's)")
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExperimentConfig:
@@ -74,29 +86,53 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Experi
     num_requests = preset["num_requests"] if args.num_requests is None else args.num_requests
     scales: tuple[float, ...] = preset["time_scales"]  # type: ignore[assignment]
     if args.time_scales:
-        try:
-            scales = tuple(float(x) for x in args.time_scales.split(","))
-        except ValueError:
-            parser.error(f"--time-scales must be numbers separated by commas, got {args.time_scales!r}")
+        scales = _numbers(args.time_scales, "--time-scales", parser)
         preset["policy_time_scale"] = scales[len(scales) // 2]
+    tbt_slos = _numbers(args.tbt_slos_ms, "--tbt-slos-ms", parser)
     if min(scales) <= 0 or num_requests < 2 or min(args.prefill, args.decode) < 1:  # type: ignore[operator]
         parser.error("time scales must be positive, --num-requests at least 2, --prefill and --decode at least 1")
+    if min(args.input_scale, args.output_scale, args.ttft_slo_ms, *tbt_slos) <= 0:
+        parser.error("scales and SLOs must be positive")
     preset |= {"num_requests": num_requests, "time_scales": scales}
+    if args.policies:
+        policies = tuple(args.policies.split(","))
+        unknown = sorted(set(policies) - set(POLICIES))
+        if unknown:
+            parser.error(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+        preset["policies"] = policies
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-mooncake-"))
     return ExperimentConfig(trace=args.trace, log_dir=log_dir, profile=args.profile, num_prefill=args.prefill,
-                            num_decode=args.decode, **preset)  # type: ignore[arg-type]
+                            num_decode=args.decode, engine=args.engine, input_scale=args.input_scale,
+                            output_scale=args.output_scale, ttft_slo_ms=args.ttft_slo_ms, tbt_slos_ms=tbt_slos,
+                            **preset)  # type: ignore[arg-type]
+
+
+def _numbers(text: str, flag: str, parser: argparse.ArgumentParser) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        parser.error(f"{flag} must be numbers separated by commas, got {text!r}")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the running system is stopped on the way out
 
 
 def _run(config: ExperimentConfig, args: argparse.Namespace, argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
-    say(f"SIMULATION ({config.profile}): {len(plan_runs(config))} runs; logs in {config.log_dir}")
+    what = f"SIMULATION ({config.profile})" if config.engine == "sim" else "the real model on this machine"
+    say(f"{what}: {len(plan_runs(config))} runs; logs in {config.log_dir}")
     try:
         runs = run_experiment(config, say)
     except TraceError as exc:
         print(f"tsukimi-loadgen experiment: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        say("interrupted; the system of the run in progress was stopped")
+        return 130
     results = compute(config, runs)
     command = "tsukimi-loadgen experiment " + shlex.join(argv)
     report = write_report(results, args.report, command, time.monotonic() - started)

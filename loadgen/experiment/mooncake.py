@@ -1,6 +1,7 @@
-"""The Mooncake experiment on the sim backend: replay the trace's first requests, time-scaled to a sweep of loads,
-against (a) a colocated baseline of 2N instances and (b) tsukimi with N prefill + N decode and the Conductor, then
-tsukimi under each placement policy at one load. Every run is a fresh `tsukimi up --engine sim` on loopback.
+"""The Mooncake experiment: replay the trace's first requests, time-scaled to a sweep of loads, against (a) a colocated
+baseline of P+D instances and (b) tsukimi with P prefill + D decode and the Conductor, then tsukimi under each
+placement policy at one load. Every run is a fresh `tsukimi up` on loopback, on the sim backend (or the real model,
+with the trace scaled down).
 
 It runs and collects; the capacity arithmetic is `capacity.py`, the JSON and markdown are `report.py`.
 """
@@ -36,11 +37,18 @@ class ExperimentConfig:
         time_scales: the loads of the sweep (arrival times multiplied by each; larger is lighter).
         policy_time_scale: the load at which the policies are compared (one of `time_scales`).
         baseline_route: how the colocated baseline routes (least_loaded or round_robin).
+        engine: "sim" (`profile` stands for each instance) or "real" (the default model on this machine's CPU).
+        input_scale, output_scale: shrink the trace's lengths, keeping its prefix sharing (for the real model).
+        kv_cache_mb: each real engine's KV pool (the sim's comes from its profile's GPU memory).
     """
 
     trace: Path
     log_dir: Path
     profile: str = "llama3-70b-8xa800"
+    engine: str = "sim"
+    input_scale: float = 1.0
+    output_scale: float = 1.0
+    kv_cache_mb: int = 512
     num_prefill: int = 2
     num_decode: int = 2
     num_cache_stores: int = 2
@@ -108,8 +116,9 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
         TraceError: the trace cannot be read.
     """
     runs = plan_runs(config)
-    workloads = {scale: load_trace(config.trace, TraceOptions(config.num_requests, scale, seed=config.seed))
-                 for scale in sorted(set(config.time_scales))}
+    workloads = {scale: load_trace(config.trace, TraceOptions(
+        config.num_requests, scale, config.input_scale, config.output_scale, seed=config.seed))
+        for scale in sorted(set(config.time_scales))}
     outcomes = []
     for index, planned in enumerate(runs, 1):
         requests = workloads[planned.time_scale]
@@ -122,9 +131,10 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
 
 
 def _spec(config: ExperimentConfig, outcome: RunOutcome) -> SystemSpec:
-    common = dict(policy=outcome.policy, num_cache_stores=config.num_cache_stores, engine="sim",
-                  profile=config.profile, rejection="off", slo_ttft_ms=config.ttft_slo_ms,
-                  slo_tbt_ms=max(config.tbt_slos_ms))
+    profile = config.profile if config.engine == "sim" else None
+    common = dict(policy=outcome.policy, num_cache_stores=config.num_cache_stores, engine=config.engine,
+                  profile=profile, rejection="off", slo_ttft_ms=config.ttft_slo_ms, slo_tbt_ms=max(config.tbt_slos_ms),
+                  kv_cache_mb=config.kv_cache_mb)
     if outcome.system == BASELINE:
         return SystemSpec(colocated=config.num_prefill + config.num_decode, **common)  # type: ignore[arg-type]
     return SystemSpec(num_prefill=config.num_prefill, num_decode=config.num_decode, **common)  # type: ignore[arg-type]

@@ -23,20 +23,29 @@ def write_report(results: Results, folder: Path, command: str, took_s: float) ->
 
 def _intro(results: Results, command: str, took_s: float) -> list[str]:
     c = results.config
+    if c.engine == "sim":
+        title, what = "# The Mooncake experiment, simulated", (
+            f"**Simulation.** No model ran. Every engine step slept for the time a roofline model of `{c.profile}` "
+            "predicts (shared/sim/profiles.py, shared/sim/cost.py); the gateway, NATS, the scheduler and the "
+            "cache-store were the real services, and KV moved as sizes only. The paper measured real hardware; these "
+            "figures show what the same scheduling does under a cost model, not what a cluster would measure.")
+    else:
+        title, what = "# The Mooncake experiment on the real model", (
+            "**The real model on this machine's CPU** (SmolLM2-135M; every instance shares the same cores), with the "
+            f"trace scaled down: input x{c.input_scale:g} (prefix sharing kept), output x{c.output_scale:g}. The "
+            "shape of the comparison, not the paper's hardware.")
     return [
-        "# The Mooncake experiment, simulated",
+        title,
         "",
-        f"**Simulation.** No model ran. Every engine step slept for the time a roofline model of `{c.profile}` "
-        "predicts (shared/sim/profiles.py, shared/sim/cost.py); the gateway, NATS, the scheduler and the cache-store "
-        "were the real services, and KV moved as sizes only. The paper measured real hardware; these figures show "
-        "what the same scheduling does under a cost model, not what a cluster would measure.",
+        what,
         "",
         f"- Trace: the first {c.num_requests} requests of `{c.trace.name}`, arrival times multiplied by "
         f"{', '.join(f'{s:g}' for s in c.time_scales)} (larger is lighter).",
         f"- tsukimi: {c.num_prefill} prefill + {c.num_decode} decode instances, the Conductor, "
         f"{c.num_cache_stores} cache-store shards; baseline: {c.num_prefill + c.num_decode} colocated instances "
         f"(chunked prefill, own prefix cache, {c.baseline_route} routing), the vLLM-style deployment the paper "
-        "compares with. Each instance stands for one 8-GPU node. Early rejection off.",
+        "compares with. " + ("Each instance stands for one 8-GPU node. " if c.engine == "sim" else "")
+        + "Early rejection off.",
         f"- SLOs: TTFT {c.ttft_slo_ms / 1000:g} s; TBT (mean of a request's slowest 10% token gaps) "
         f"{', '.join(f'{t:g}' for t in c.tbt_slos_ms)} ms.",
         f"- Reproduce: `{command}` ({took_s / 60:.1f} minutes here).",
@@ -102,6 +111,13 @@ def _runs_section(results: Results) -> list[str]:
 
 
 def _notes(results: Results) -> list[str]:
+    if results.config.engine != "sim":
+        return ["## How this differs from the paper", "",
+                "- A 135M-parameter model on 2 shared CPU cores: every instance competes for the same cores, so a "
+                "disaggregated pool does not get hardware of its own as the paper's nodes did; prefill and decode "
+                "interfere through the CPU even when they run in different processes.",
+                "- The trace is scaled down (shorter prompts and answers) and its first requests share few prefixes.",
+                ""]
     return ["## How this differs from the paper", "",
             "- Scale: the paper replayed the whole conversation trace (about an hour, 37% of prompt blocks reusable "
             "with an unlimited cache) on 16 nodes; this replays its first requests on a handful of simulated nodes, "
@@ -121,7 +137,8 @@ def _figures(results: Results, folder: Path) -> dict[str, str]:
         series = {name: _series(results.runs, name, results.config.baseline_route, slo)
                   for name in (BASELINE, TSUKIMI)}
         file = f"capacity_tbt{slo.tbt_ms:g}ms.png"
-        title = f"SLOs: TTFT {(slo.ttft_ms or 0) / 1000:g} s, TBT {slo.tbt_ms:g} ms (simulation)"
+        kind = "simulation" if results.config.engine == "sim" else "real model, CPU"
+        title = f"SLOs: TTFT {(slo.ttft_ms or 0) / 1000:g} s, TBT {slo.tbt_ms:g} ms ({kind})"
         plot_slo_attainment(series, folder / file, title=title)
         figures[f"capacity at TBT {slo.tbt_ms:g} ms"] = file
     figures["ttft by policy"] = _plot_ttft_by_policy(results, folder / "ttft_by_policy.png")
@@ -129,7 +146,8 @@ def _figures(results: Results, folder: Path) -> dict[str, str]:
 
 
 def _series(runs: Sequence[RunOutcome], system: str, route: str, slo: Slo) -> list[tuple[float, Summary]]:
-    chosen = [r for r in runs if r.system == system and r.policy in ("conductor", route) and r.error is None]
+    policy = "conductor" if system == TSUKIMI else route
+    chosen = [r for r in runs if r.system == system and r.policy == policy and r.error is None]
     return sorted(((r.rate, r.summary(slo)) for r in chosen), key=lambda p: p[0])
 
 
@@ -140,7 +158,8 @@ def _plot_ttft_by_policy(results: Results, path: Path) -> str:
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.subplots()
     xs = range(len(policies))
-    ax.bar([x - 0.2 for x in xs], [results.avg_ttft_s[p] or 0.0 for p in policies], 0.4, label="tsukimi (simulated)")
+    label = "tsukimi (simulated)" if results.config.engine == "sim" else "tsukimi (real model, CPU)"
+    ax.bar([x - 0.2 for x in xs], [results.avg_ttft_s[p] or 0.0 for p in policies], 0.4, label=label)
     ax.bar([x + 0.2 for x in xs], [PAPER_AVG_TTFT_S.get(p, 0.0) for p in policies], 0.4, label="paper")
     ax.set_xticks(list(xs), policies)
     ax.set(ylabel="average TTFT (s)", title="Average TTFT by placement policy")

@@ -51,7 +51,7 @@ def compute(config: ExperimentConfig, runs: list[RunOutcome]) -> Results:
 
 
 def _is_sweep_run(run: RunOutcome, config: ExperimentConfig) -> bool:
-    return run.policy in ("conductor", config.baseline_route)
+    return run.policy == ("conductor" if run.system == TSUKIMI else config.baseline_route)
 
 
 def _mean_ttft_s(run: RunOutcome) -> float | None:
@@ -64,8 +64,8 @@ def to_json(results: Results) -> dict[str, Any]:
     `avg_ttft_s_by_policy`, the capacities, the shares, every run's summaries, and the paper's figures."""
     config = results.config
     return {
-        "simulation": True,
-        "profile": config.profile,
+        "simulation": config.engine == "sim",
+        "profile": config.profile if config.engine == "sim" else None,
         "effective_capacity_ratio": {k: r.value for k, r in results.ratios.items()},
         "effective_capacity_ratio_bound": {k: r.bound for k, r in results.ratios.items()},
         "avg_ttft_s_by_policy": results.avg_ttft_s,

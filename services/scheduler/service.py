@@ -67,6 +67,9 @@ class SchedulerService:
         self.num_rejected: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._monitor: asyncio.Task[None] | None = None
+        # A scheduler that has just started knows no instance until each has beaten once: it waits that long for
+        # them before failing a request for want of one (at start, and after a restart of the scheduler alone).
+        self._ready_at = time.monotonic() + 2 * settings.heartbeat_s
 
     def _assume_profile(self, profile_name: str) -> None:
         """A sim system's step times are known in advance: start the cost models from them (real samples, as they
@@ -103,6 +106,9 @@ class SchedulerService:
     async def handle_submit(self, msg: Message) -> SubmitReply:
         assert isinstance(msg, SubmitRequest)
         view = self.view()
+        while not self._has_required(view) and time.monotonic() < self._ready_at:
+            await asyncio.sleep(0.05)
+            view = self.view()
         required = [(Role.DECODE, view.decodes)] if self.is_colocated else [(Role.PREFILL, view.prefills),
                                                                              (Role.DECODE, view.decodes)]
         for role, alive in required:
@@ -114,6 +120,9 @@ class SchedulerService:
             return self._reject(msg, ErrorType.REJECTED, verdict.reason_code, verdict.reason, verdict.retry_after_s)
         await self._dispatch(msg, placement)
         return SubmitReply(msg.request_id, True, placement.prefill.instance_id, placement.decode_id)
+
+    def _has_required(self, view: ClusterView) -> bool:
+        return bool(view.decodes) and (self.is_colocated or bool(view.prefills))
 
     def _reject(self, msg: SubmitRequest, error_type: ErrorType, code: str, reason: str, retry_s: float) -> SubmitReply:
         self.num_rejected[code] = self.num_rejected.get(code, 0) + 1

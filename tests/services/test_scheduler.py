@@ -3,6 +3,8 @@ the SLOs (current vs predicted decode load), the Conductor's cache and load trad
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 
 import pytest
@@ -65,6 +67,19 @@ async def test_no_live_instance_is_unavailable() -> None:
     reply = await scheduler.handle_submit(_submit("r2"))
     assert not reply.accepted and reply.reason_code == "no_decode"
     assert bus.published == []
+
+
+async def test_a_fresh_scheduler_waits_for_the_first_heartbeats_before_refusing() -> None:
+    """Started together with the instances, the scheduler may get a request before their first beats: it waits up to
+    two heartbeat intervals for them instead of failing the request."""
+    scheduler, bus, _ = _service(TSUKIMI_HEARTBEAT_S="1")
+    submit = asyncio.create_task(scheduler.handle_submit(_submit("r1")))
+    await asyncio.sleep(0.2)
+    assert not submit.done()
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE))
+    reply = await asyncio.wait_for(submit, 1.0)
+    assert reply.accepted and (reply.prefill_id, reply.decode_id) == ("p0", "d0")
+    assert [subject for subject, _ in bus.published] == [bus.subjects.prefill_run("p0")]
 
 
 async def test_least_loaded_counts_its_placements_at_once() -> None:
