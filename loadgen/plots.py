@@ -39,10 +39,12 @@ def plot_slo_attainment(
     path: str | Path,
     x_label: str = "load (requests/s)",
     title: str | None = None,
+    threshold: float | None = None,
 ) -> Path:
     """Effective request capacity and TTFT/TBT SLO attainment (% of sent requests) against load, one line per
     series (e.g. name -> [(rate, summary), ...]). Loads are numbers or labels (labels are spaced evenly in order
-    of first appearance). The TTFT/TBT panels appear when some summary has that SLO."""
+    of first appearance). The TTFT/TBT panels appear when some summary has that SLO; `threshold` (a share, e.g.
+    0.9) draws a dashed line where a system counts as serving its load."""
     metrics = [("effective capacity", lambda s: s.effective_capacity)]
     points = [p for pts in series.values() for p in pts]
     if any(s.slo.ttft_ms is not None for _, s in points):
@@ -57,6 +59,8 @@ def plot_slo_attainment(
             shown = [(positions[x], v * 100) for x, s in pts if (v := value(s)) is not None]
             ax.plot([p for p, _ in shown], [v for _, v in shown], marker="o", label=label)
         _load_axis(ax, positions, x_label)
+        if threshold is not None:
+            ax.axhline(100 * threshold, color="gray", linestyle="--", linewidth=1)
         ax.set(title=name, ylabel="% of sent requests", ylim=(-2, 102))
         ax.grid(alpha=0.3)
     axes[0].legend()

@@ -14,14 +14,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadgen.experiment.mooncake import POLICIES, ExperimentConfig, plan_runs, run_experiment
+from loadgen.experiment.mooncake import POLICIES, ExperimentConfig, ExperimentError, plan_runs, run_experiment
 from loadgen.experiment.report import write_report
 from loadgen.experiment.results import compute, to_json
 from loadgen.trace import TraceError
 from shared.sim.profiles import PROFILES
 
 BUNDLED_TRACE = Path(__file__).resolve().parents[1] / "data" / "conversation_trace_head.jsonl"
-FULL = {"num_requests": 80, "time_scales": (4.0, 2.5, 1.5), "policy_time_scale": 2.5, "policies": POLICIES}
+FULL = {"num_requests": 70, "time_scales": (4.0, 2.5, 1.5, 1.0), "policy_time_scale": 2.5, "policies": POLICIES}
 QUICK = {"num_requests": 16, "time_scales": (4.0, 2.0), "policy_time_scale": 2.0, "policies": ("random", "conductor")}
 
 DESCRIPTION = """\
@@ -32,7 +32,7 @@ engine backend: no model runs; each prefill and decode step sleeps for what a ro
 Runs, each a fresh `tsukimi up --engine sim` on loopback, replaying the trace's first requests time-scaled to a sweep of
 loads: (a) the baseline, P+D colocated instances (chunked prefill, own prefix cache, least-loaded routing: the
 vLLM-style deployment the paper compares with), (b) tsukimi with P prefill + D decode instances and the Conductor;
-then tsukimi with each placement policy at one load. Full: 80 requests x 3 loads x 2 systems + 3 policies (about 16
+then tsukimi with each placement policy at one load. Full: 70 requests x 4 loads x 2 systems + 3 policies (about 18
 minutes); --quick: 16 requests x 2 loads x 2 systems + random (about 4 minutes).
 
 Reported: the share of requests meeting TTFT <= 30 s and TBT <= 100/200/300 ms at each load (TBT: the mean of a
@@ -64,9 +64,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="model and GPUs each simulated instance stands for (default: llama3-70b-8xa800)")
     parser.add_argument("--prefill", type=int, default=2, metavar="P", help="tsukimi's prefill instances (default 2)")
     parser.add_argument("--decode", type=int, default=2, metavar="D", help="tsukimi's decode instances (default 2)")
-    parser.add_argument("--num-requests", type=int, metavar="N", help="requests per run (default: 80; quick 16)")
+    parser.add_argument("--num-requests", type=int, metavar="N", help="requests per run (default: 70; quick 16)")
     parser.add_argument("--time-scales", metavar="X,Y,...",
-                        help="loads of the sweep: arrival times multiplied by each (default: 4,2.5,1.5; quick 4,2)")
+                        help="loads of the sweep: arrival times multiplied by each (default: 4,2.5,1.5,1; quick 4,2)")
     parser.add_argument("--policies", metavar="A,B,...",
                         help=f"placement policies compared at one load (default: {','.join(POLICIES)}; quick: "
                              "random,conductor)")
@@ -127,7 +127,7 @@ def _run(config: ExperimentConfig, args: argparse.Namespace, argv: list[str]) ->
     say(f"{what}: {len(plan_runs(config))} runs; logs in {config.log_dir}")
     try:
         runs = run_experiment(config, say)
-    except TraceError as exc:
+    except (TraceError, ExperimentError) as exc:
         print(f"tsukimi-loadgen experiment: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

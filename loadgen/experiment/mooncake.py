@@ -24,6 +24,10 @@ from loadgen.trace import TraceOptions, load_trace
 from loadgen.workload import PlannedRequest
 
 TSUKIMI, BASELINE = "tsukimi", "baseline"
+
+
+class ExperimentError(ValueError):
+    """The experiment cannot be run as configured; the message says why."""
 POLICIES = ("random", "least_loaded", "local_cache_aware", "conductor")
 
 
@@ -114,11 +118,15 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
 
     Raises:
         TraceError: the trace cannot be read.
+        ExperimentError: the replayed requests all arrive at once, so there is no load to sweep.
     """
     runs = plan_runs(config)
     workloads = {scale: load_trace(config.trace, TraceOptions(
         config.num_requests, scale, config.input_scale, config.output_scale, seed=config.seed))
         for scale in sorted(set(config.time_scales))}
+    if any(offered_rate(requests) == float("inf") for requests in workloads.values()):
+        raise ExperimentError(f"the trace's first {config.num_requests} requests all arrive at the same time (the "
+                              "trace counts time in 3 s steps): replay more of them (--num-requests)")
     outcomes = []
     for index, planned in enumerate(runs, 1):
         requests = workloads[planned.time_scale]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from loadgen.experiment.capacity import THRESHOLD
 from loadgen.experiment.mooncake import BASELINE, TSUKIMI, RunOutcome
 from loadgen.experiment.results import PAPER_AVG_TTFT_S, PAPER_CAPACITY_RATIO, Results
 from loadgen.metrics import Slo, Summary
@@ -139,7 +140,7 @@ def _figures(results: Results, folder: Path) -> dict[str, str]:
         file = f"capacity_tbt{slo.tbt_ms:g}ms.png"
         kind = "simulation" if results.config.engine == "sim" else "real model, CPU"
         title = f"SLOs: TTFT {(slo.ttft_ms or 0) / 1000:g} s, TBT {slo.tbt_ms:g} ms ({kind})"
-        plot_slo_attainment(series, folder / file, title=title)
+        plot_slo_attainment(series, folder / file, title=title, threshold=THRESHOLD)
         figures[f"capacity at TBT {slo.tbt_ms:g} ms"] = file
     figures["ttft by policy"] = _plot_ttft_by_policy(results, folder / "ttft_by_policy.png")
     return figures

@@ -51,22 +51,32 @@ def test_trace_replay_against_the_sim_system(sim_system: RunningSystem, tmp_path
     assert sorted(p.name for p in plots.iterdir()) and all(p.stat().st_size > 0 for p in plots.iterdir())
 
 
+def test_an_experiment_without_a_load_to_sweep_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The trace's first ten requests all arrive at time 0: replaying four of them offers no measurable load."""
+    code = experiment_main(["mooncake", "--num-requests", "4", "--report", str(tmp_path / "report")])
+    assert code == 2 and "all arrive at the same time" in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+
+
 def test_the_mooncake_experiment_writes_its_report_and_json(tmp_path: Path) -> None:
     out, report = tmp_path / "result.json", tmp_path / "report"
     code = experiment_main([
-        "mooncake", "--quick", "--num-requests", "4", "--time-scales", "1", "--prefill", "1", "--decode", "1",
-        "--output-scale", "0.05", "--json", str(out), "--report", str(report), "--log-dir", str(tmp_path / "logs"),
+        "mooncake", "--quick", "--num-requests", "12", "--time-scales", "1", "--prefill", "1", "--decode", "1",
+        "--input-scale", "0.1", "--output-scale", "0.05", "--json", str(out), "--report", str(report),
+        "--log-dir", str(tmp_path / "logs"),
     ])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["simulation"] is True
     assert set(result["effective_capacity_ratio"]) == {"100", "200", "300"}
     assert all(isinstance(v, float) and v > 0 for v in result["effective_capacity_ratio"].values())
+    assert set(result["effective_capacity_ratio_bound"].values()) <= {"=", ">=", "<=", "?"}
     assert set(result["avg_ttft_s_by_policy"]) == {"random", "conductor"}
     assert all(v > 0 for v in result["avg_ttft_s_by_policy"].values())
     assert [(r["system"], r["policy"]) for r in result["runs"]] == [
         ("baseline", "least_loaded"), ("tsukimi", "conductor"), ("tsukimi", "random")]
-    assert all(r["summary_by_tbt_slo_ms"]["100"]["num_completed"] == 4 for r in result["runs"])
+    assert all(r["summary_by_tbt_slo_ms"]["100"]["num_completed"] == 12 for r in result["runs"])
+    assert all(r["rate"] == pytest.approx(12 / 3.0) for r in result["runs"])  # 12 arrivals over the trace's first 3 s
     text = (report / "report.md").read_text()
     assert "Simulation." in text and "| 100 ms |" in text and "paper" in text
     assert all((report / f"capacity_tbt{t}ms.png").stat().st_size > 0 for t in (100, 200, 300))

@@ -3,24 +3,22 @@ their declared size against DRAM (stats, eviction, refusal), come back as sizes,
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
+from cache_stack import Stack
 
-from services.cache_store import CacheStoreService
-from shared.bus import Bus, BusError
+from shared.bus import BusError
 from shared.cache.block import StoredBlock, part_size
 from shared.cache.client import CacheClient, split_block
 from shared.cache.ssd import SsdTier
-from shared.config import load_settings
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixLoad
 from shared.model.config import LlamaConfig
 from shared.payload import CODEC_SIZE_ONLY, Payload, SizeOnly, checksum
-from shared.protocol import Ack, BlockPut, Subjects
+from shared.protocol import Ack, BlockPut
 
 GIB = 1 << 30
 DRAM_MB = 64 << 10  # 64 GiB of declared capacity; size-only blocks allocate none of it
@@ -31,43 +29,9 @@ LAYER_BYTES = 2 * 2 * BLOCK * 8 * 2  # K and V x kv heads x block tokens x head 
 BLOCK_BYTES = MODEL.num_layers * LAYER_BYTES
 
 
-class Cluster:
-    """Cache-store shards and clients under a subject prefix of their own; closed at teardown."""
-
-    def __init__(self, nats_url: str) -> None:
-        self.nats_url, self.subjects = nats_url, Subjects(f"t{uuid.uuid4().hex[:12]}")
-        self.services: list[CacheStoreService] = []
-        self.buses: list[Bus] = []
-
-    async def bus(self) -> Bus:
-        bus = await Bus.connect(self.nats_url, "test", self.subjects)
-        self.buses.append(bus)
-        return bus
-
-    async def store(self, shard: int = 0, num_shards: int = 1) -> CacheStoreService:
-        settings = load_settings("cache-store", environ={
-            "TSUKIMI_NATS_URL": self.nats_url, "TSUKIMI_SUBJECT_PREFIX": self.subjects.prefix,
-            "TSUKIMI_INSTANCE_ID": f"cache-{shard}", "TSUKIMI_CACHE_SHARD": str(shard),
-            "TSUKIMI_CACHE_SHARDS": str(num_shards), "TSUKIMI_CACHE_DRAM_MB": str(DRAM_MB),
-        })
-        service = CacheStoreService(settings, await self.bus())
-        await service.start()
-        self.services.append(service)
-        return service
-
-    async def client(self, num_shards: int = 1, hot_gets: int = 0) -> CacheClient:
-        return CacheClient(await self.bus(), num_shards, hot_gets=hot_gets)
-
-    async def close(self) -> None:
-        for service in self.services:
-            await service.stop()
-        for bus in self.buses:
-            await bus.drain()
-
-
 @pytest.fixture
-async def cluster(nats_url: str) -> AsyncIterator[Cluster]:
-    cluster = Cluster(nats_url)
+async def cluster(nats_url: str) -> AsyncIterator[Stack]:
+    cluster = Stack(nats_url)
     yield cluster
     await cluster.close()
 
@@ -85,8 +49,8 @@ def test_a_size_only_block_is_one_size_only_part_that_counts_its_size() -> None:
     assert len(StoredBlock((part, *real))) == 10 * GIB + sum(len(p.data) for p in real)
 
 
-async def test_a_size_only_block_round_trips_and_counts_its_declared_size(cluster: Cluster) -> None:
-    service = await cluster.store()
+async def test_a_size_only_block_round_trips_and_counts_its_declared_size(cluster: Stack) -> None:
+    service = await cluster.store(dram_mb=DRAM_MB)
     client = await cluster.client()
     assert await client.put_block(0xABC, SizeOnly(10 * GIB))
     assert await client.get_block(0xABC) == SizeOnly(10 * GIB)
@@ -98,16 +62,16 @@ async def test_a_size_only_block_round_trips_and_counts_its_declared_size(cluste
     assert service.stats().dram.num_bytes == 10 * GIB + len(service.store.dram.get(0xABD) or ())
 
 
-async def test_a_size_only_block_larger_than_dram_is_refused(cluster: Cluster) -> None:
-    service = await cluster.store()
+async def test_a_size_only_block_larger_than_dram_is_refused(cluster: Stack) -> None:
+    service = await cluster.store(dram_mb=DRAM_MB)
     client = await cluster.client()
     assert not await client.put_block(0xB16, SizeOnly(65 * GIB))
     assert await client.has_blocks([0xB16]) == [False] and await client.get_block(0xB16) is None
     assert service.stats().dram.num_bytes == 0 and not service.pending
 
 
-async def test_size_only_blocks_evict_by_their_declared_size(cluster: Cluster) -> None:
-    service = await cluster.store()
+async def test_size_only_blocks_evict_by_their_declared_size(cluster: Stack) -> None:
+    service = await cluster.store(dram_mb=DRAM_MB)
     client = await cluster.client()
     for h in range(1, 8):  # 70 GiB declared into 64: past the 95% watermark, evicted down to 85%
         assert await client.put_block(h, SizeOnly(10 * GIB))
@@ -117,8 +81,8 @@ async def test_size_only_blocks_evict_by_their_declared_size(cluster: Cluster) -
     assert await client.get_block(7) == SizeOnly(10 * GIB)
 
 
-async def test_a_hot_size_only_block_is_copied_to_its_replica_as_a_size(cluster: Cluster) -> None:
-    shards = [await cluster.store(shard=i, num_shards=2) for i in range(2)]
+async def test_a_hot_size_only_block_is_copied_to_its_replica_as_a_size(cluster: Stack) -> None:
+    shards = [await cluster.store(shard=i, num_shards=2, dram_mb=DRAM_MB) for i in range(2)]
     client = await cluster.client(num_shards=2, hot_gets=1)
     assert await client.put_block(4, SizeOnly(3 * GIB))  # owner: shard 0, replica: shard 1
     assert not shards[1].store.holds(4)
@@ -127,8 +91,8 @@ async def test_a_hot_size_only_block_is_copied_to_its_replica_as_a_size(cluster:
     assert shards[1].store.holds(4) and shards[1].stats().dram.num_bytes == 3 * GIB
 
 
-async def test_a_size_only_part_carrying_data_is_refused(cluster: Cluster) -> None:
-    service = await cluster.store()
+async def test_a_size_only_part_carrying_data_is_refused(cluster: Stack) -> None:
+    service = await cluster.store(dram_mb=DRAM_MB)
     bus = await cluster.bus()
     data = b"x" * 100_000
     part = BlockPut(0xD1, 0, 1, CODEC_SIZE_ONLY, 4, checksum(data), data)  # claims 4 bytes, carries 100 KB
@@ -157,8 +121,8 @@ def meta_pool(num_blocks: int = 4) -> KVPool:
     return KVPool(MODEL, num_blocks, BLOCK, torch.bfloat16, torch.device("meta"))
 
 
-async def test_a_size_only_block_from_the_store_completes_a_prefix_load(cluster: Cluster) -> None:
-    await cluster.store()
+async def test_a_size_only_block_from_the_store_completes_a_prefix_load(cluster: Stack) -> None:
+    await cluster.store(dram_mb=DRAM_MB)
     client = await cluster.client()
     pool = meta_pool()
     assert pool.tensor.is_meta and KVPool.bytes_per_block(MODEL, BLOCK, torch.bfloat16) == BLOCK_BYTES

@@ -4,7 +4,6 @@ the SLOs (current vs predicted decode load), the Conductor's cache and load trad
 from __future__ import annotations
 
 import asyncio
-
 import time
 
 import pytest
