@@ -11,7 +11,7 @@ import pytest
 from loadgen.prompts import BlockTokens
 from loadgen.trace import TraceError, TraceOptions, load_trace, read_trace
 
-REAL_TRACE = Path(__file__).parents[2].parent / "shared/data/traces/conversation_trace.jsonl"
+REAL_TRACE = Path(__file__).resolve().parents[2] / "loadgen" / "data" / "conversation_trace_head.jsonl"  # bundled
 
 LINES = [
     {"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [0, 1, 2]},
@@ -118,7 +118,6 @@ def test_a_missing_file_is_a_trace_error(tmp_path: Path) -> None:
         read_trace(tmp_path / "absent.jsonl")
 
 
-@pytest.mark.skipif(not REAL_TRACE.is_file(), reason=f"the conversation trace is not at {REAL_TRACE}")
 def test_the_real_trace_shares_block_zero_in_every_request(tmp_path: Path) -> None:
     head = tmp_path / "head.jsonl"
     with REAL_TRACE.open() as f:
