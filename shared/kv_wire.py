@@ -16,7 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.payload import CODEC_RAW, CODEC_SIZE_ONLY, PayloadError, SizeOnly, checksum, compress, decompress
+from shared.payload import (
+    CODEC_RAW,
+    CODEC_SIZE_ONLY,
+    Payload,
+    PayloadError,
+    SizeOnly,
+    checksum,
+    compress,
+    decompress,
+)
 from shared.protocol import KvChunk
 
 
@@ -111,7 +120,7 @@ class _Piece:
     """A verified chunk, decompressed; `header` (the chunk without its data) tells a true duplicate from a conflict."""
 
     header: KvChunk
-    raw: bytes | SizeOnly
+    raw: Payload
 
 
 class KvAssembly:

@@ -9,6 +9,7 @@ It runs and collects; the capacity arithmetic is `capacity.py`, the JSON and mar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -121,9 +122,10 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
         ExperimentError: the replayed requests all arrive at once, so there is no load to sweep.
     """
     runs = plan_runs(config)
-    workloads = {scale: load_trace(config.trace, TraceOptions(
-        config.num_requests, scale, config.input_scale, config.output_scale, seed=config.seed))
-        for scale in sorted(set(config.time_scales))}
+    base = load_trace(config.trace, TraceOptions(
+        config.num_requests, 1.0, config.input_scale, config.output_scale, seed=config.seed))
+    workloads = {scale: [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in base]
+                 for scale in sorted(set(config.time_scales))}
     if any(offered_rate(requests) == float("inf") for requests in workloads.values()):
         raise ExperimentError(f"the trace's first {config.num_requests} requests all arrive at the same time (the "
                               "trace counts time in 3 s steps): replay more of them (--num-requests)")
