@@ -151,7 +151,9 @@ class PagedAttention:
         is_reference = backend is KernelBackend.TORCH
         self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
+    ) -> torch.Tensor:
         meta, backend = self.meta, self.backend
         k_cache, v_cache = self.pool.layer(layer_idx)
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 # Little-endian numpy dtypes of the tensors codecs write; numpy makes the byte order explicit on any host.
-_WIRE_DTYPES: dict[torch.dtype, str] = {torch.float16: "<f2", torch.uint8: "u1", torch.int8: "i1"}
+_WIRE_DTYPES: dict[torch.dtype, str] = {
+    torch.float16: "<f2", torch.uint8: "u1", torch.int8: "i1", torch.uint16: "<u2",
+}
 
 
 class KvCodecError(ValueError):
@@ -23,13 +25,18 @@ class KvCodec(ABC):
     """Encodes one layer of one KV block, K and V each [kv_heads, num_tokens, head_dim], to bytes and back.
 
     A block may be partial (num_tokens below the block size). The bytes hold everything decode needs besides the
-    shape (codes, scales, zero points) and are exactly `num_bytes` long.
+    shape (codes, scales, zero points) and are exactly `num_bytes` long. `starts_sequence` marks a sequence's first
+    block (its token 0 is the attention sink): a codec may store that block differently (KVQuant keeps the sink in
+    fp16, so such a block is longer); encode, decode and num_bytes must be given the same flag.
     """
 
     name: str
+    # Whether `encode` expects keys before RoPE (decode then returns them unrotated; the caller rotates). Uniform
+    # codecs take the keys as the pool holds them, after RoPE.
+    keys_before_rope: bool = False
 
     @abstractmethod
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> bytes:
         """K and V of one layer of one block as bytes.
 
         Args:
@@ -40,7 +47,8 @@ class KvCodec(ABC):
 
     @abstractmethod
     def decode(
-        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype
+        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, *,
+        starts_sequence: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V, each [kv_heads, num_tokens, head_dim] in `dtype` on the CPU, from `encode`'s bytes.
 
@@ -50,17 +58,19 @@ class KvCodec(ABC):
         """
 
     @abstractmethod
-    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int) -> int:
+    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False) -> int:
         """Exact length of `encode`'s output for this shape, every byte counted.
 
         Raises:
             ValueError: a dimension below 1.
         """
 
-    def bits_per_element(self, kv_heads: int, num_tokens: int, head_dim: int) -> float:
+    def bits_per_element(
+        self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False
+    ) -> float:
         """Stored bits per K or V element, metadata included: 8 * num_bytes / (2 * kv_heads * num_tokens * head_dim)."""
         num_elements = 2 * kv_heads * num_tokens * head_dim
-        return 8 * self.num_bytes(kv_heads, num_tokens, head_dim) / num_elements
+        return 8 * self.num_bytes(kv_heads, num_tokens, head_dim, starts_sequence=starts_sequence) / num_elements
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -86,7 +96,7 @@ def check_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
 
 
 def to_bytes(*tensors: torch.Tensor) -> bytes:
-    """The tensors (fp16, uint8 or int8), each flattened row-major, concatenated as little-endian bytes."""
+    """The tensors (fp16, uint8, int8 or uint16), each flattened row-major, concatenated as little-endian bytes."""
     parts = []
     for tensor in tensors:
         array = tensor.detach().contiguous().cpu().numpy()

@@ -1,27 +1,62 @@
 """The codecs by name: what `--kv-codec` and the block-hash namespace refer to.
 
-Owns the name -> codec table only; each codec's behaviour is in its own module.
+Owns the name -> codec table and the per-layer codec list an engine or harness uses; each codec's behaviour is in its
+own module. Uniform codecs are the same for every layer; `kvquant-*` needs a calibration (per-layer codebooks).
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
 
+from shared.kvcompress.calibration import KvCalibration, KvCalibrationError
 from shared.kvcompress.codec import KvCodec
+from shared.kvcompress.kvquant import KVQUANT_BITS, KvQuantCodec
 from shared.kvcompress.uniform import Fp16Codec, Int8Codec, KiviCodec
 
 CODECS: MappingProxyType[str, KvCodec] = MappingProxyType(
     {codec.name: codec for codec in (Fp16Codec(), Int8Codec(), KiviCodec(4), KiviCodec(2))}
 )
+CALIBRATED_CODECS = tuple(f"kvquant-{bits}" for bits in KVQUANT_BITS)
+CODEC_NAMES = (*CODECS, *CALIBRATED_CODECS)
 
 
 def get_codec(name: str) -> KvCodec:
-    """The codec registered under `name`.
+    """The uncalibrated codec registered under `name`.
 
     Raises:
-        ValueError: no codec has that name; the message lists the known ones.
+        ValueError: no such codec (the message lists the known ones), or one that needs a calibration.
     """
+    if name in CALIBRATED_CODECS:
+        raise ValueError(f"KV codec {name!r} needs a calibration: use layer_codecs(name, ..., calibration)")
     try:
         return CODECS[name]
     except KeyError:
-        raise ValueError(f"unknown KV codec {name!r}; known codecs: {', '.join(CODECS)}") from None
+        raise ValueError(f"unknown KV codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}") from None
+
+
+def needs_calibration(name: str) -> bool:
+    return name in CALIBRATED_CODECS
+
+
+def layer_codecs(
+    name: str, num_layers: int, kv_heads: int, head_dim: int, calibration: KvCalibration | None = None
+) -> list[KvCodec]:
+    """One codec per layer of a model with that shape.
+
+    Raises:
+        ValueError: an unknown name.
+        KvCalibrationError: a `kvquant-*` codec without a calibration, or with one for another shape or width.
+    """
+    if name not in CALIBRATED_CODECS:
+        return [get_codec(name)] * num_layers
+    bits = int(name.rsplit("-", 1)[1])
+    if calibration is None:
+        raise KvCalibrationError(f"KV codec {name} needs a calibration file (`tsukimi calibrate kv --bits {bits}`)")
+    calibration.check_fits(num_layers, kv_heads, head_dim, bits)
+    return [
+        KvQuantCodec(
+            bits, calibration.key_center[layer], calibration.key_scale[layer], calibration.key_codebook[layer],
+            calibration.value_codebook[layer], calibration.outlier_fraction,
+        )
+        for layer in range(num_layers)
+    ]

@@ -1,7 +1,8 @@
 """The uniform codecs: `fp16` (the baseline), `int8` per token, and KIVI's `kivi-4` / `kivi-2`.
 
 Owns their byte layouts; the quantizer arithmetic is `quantize`, the bit layout `bitpack`. Calibrated, non-uniform
-codecs (KVQuant) live elsewhere.
+codecs (KVQuant) live elsewhere. These codecs store a sequence's first block like any other (`starts_sequence` is
+accepted and ignored).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ class Fp16Codec(KvCodec):
 
     name = "fp16"
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> bytes:
         check_kv(k, v)
         return to_bytes(k.to(torch.float16), v.to(torch.float16))
 
     def decode(
-        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype
+        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, *,
+        starts_sequence: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_dims(kv_heads, num_tokens, head_dim)
         shape = (kv_heads, num_tokens, head_dim)
@@ -38,7 +40,7 @@ class Fp16Codec(KvCodec):
         k, v = split_bytes(self, data, [(torch.float16, count), (torch.float16, count)])
         return k.view(shape).to(dtype), v.view(shape).to(dtype)
 
-    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int) -> int:
+    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False) -> int:
         check_dims(kv_heads, num_tokens, head_dim)
         return 2 * kv_heads * num_tokens * head_dim * _FP16_BYTES
 
@@ -53,14 +55,15 @@ class Int8Codec(KvCodec):
 
     name = "int8"
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> bytes:
         check_kv(k, v)
         k_codes, k_absmax = quantize_symmetric_int8(k, dim=-1)
         v_codes, v_absmax = quantize_symmetric_int8(v, dim=-1)
         return to_bytes(k_codes, v_codes, k_absmax, v_absmax)
 
     def decode(
-        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype
+        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, *,
+        starts_sequence: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_dims(kv_heads, num_tokens, head_dim)
         shape = (kv_heads, num_tokens, head_dim)
@@ -72,7 +75,7 @@ class Int8Codec(KvCodec):
         v = dequantize_symmetric_int8(v_codes.view(shape), v_absmax.view(kv_heads, num_tokens, 1))
         return k.to(dtype), v.to(dtype)
 
-    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int) -> int:
+    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False) -> int:
         check_dims(kv_heads, num_tokens, head_dim)
         return 2 * kv_heads * num_tokens * (head_dim + _FP16_BYTES)
 
@@ -100,7 +103,7 @@ class KiviCodec(KvCodec):
         self.bits, self.group_size = bits, group_size
         self.name = f"kivi-{bits}"
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> bytes:
         check_kv(k, v)
         k_codes, k_min, k_scale = quantize_asymmetric(k, self.bits, dim=1)  # metadata [kv_heads, 1, head_dim]
         v_codes, v_min, v_scale = self._quantize_values(v)
@@ -109,7 +112,8 @@ class KiviCodec(KvCodec):
         )
 
     def decode(
-        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype
+        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, *,
+        starts_sequence: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_dims(kv_heads, num_tokens, head_dim)
         count = kv_heads * num_tokens * head_dim
@@ -129,7 +133,7 @@ class KiviCodec(KvCodec):
         v = self._dequantize_values(v_codes, v_min.view(value_meta), v_scale.view(value_meta))
         return k.to(dtype), v.to(dtype)
 
-    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int) -> int:
+    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False) -> int:
         check_dims(kv_heads, num_tokens, head_dim)
         codes = 2 * packed_num_bytes(kv_heads * num_tokens * head_dim, self.bits)
         key_meta = 2 * kv_heads * head_dim * _FP16_BYTES

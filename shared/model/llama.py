@@ -1,7 +1,8 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain PyTorch, read top to bottom.
 
 Owns the weights and the arithmetic of one forward pass. It does not own the KV cache: each attention layer hands its
-rotated q, k, v to an `AttentionContext` (the engine's paged cache, or `DenseCausalAttention` for a cache-free pass).
+rotated q, k, v (and k before rotation, for KV codecs that quantize keys pre-RoPE) to an `AttentionContext` (the
+engine's paged cache, or `DenseCausalAttention` for a cache-free pass).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from shared.model.cpu_linear import can_pack, pack_linears
 class AttentionContext(Protocol):
     """Where attention happens: stores this step's k/v for a layer and attends q over everything visible."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v, k_pre_rope: [num_tokens, num_kv_heads, head_dim].
 
+        q and k are rotated by position; `k_pre_rope` is k before rotation (a view, free to ignore).
         Returns [num_tokens, num_heads, head_dim].
         """
         ...
@@ -82,11 +86,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         # q and k heads sit side by side in the projection: rotate them in one pass.
-        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = ctx.attend(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
+        out = ctx.attend(self.layer_idx, q, k, v, qk[:, self.num_heads :])  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -148,7 +152,9 @@ class Llama(nn.Module):
 class DenseCausalAttention:
     """A cache-free context for one sequence: plain causal attention over the tokens of this pass."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
+    ) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
         )

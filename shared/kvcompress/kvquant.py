@@ -1,0 +1,250 @@
+"""KVQuant (Hooper et al. 2024, "KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache
+Quantization"): non-uniform, calibrated, dense-and-sparse 2/3/4-bit codes for one layer of one KV block.
+
+Owns the kvquant byte layout and its tensor-level encode/decode (batched over blocks, for the engine and the kernels'
+oracle); the calibration it reads is `calibration`, the bit layout `bitpack`.
+
+Keys are coded per channel and *before* RoPE (the caller rotates after decoding): each (head, channel) is mapped by
+the calibrated centre and half-range to [-1, 1] and rounded to the nearest entry of the layer's key codebook. Values
+are coded per token: one fp16 centre and half-range per token, shared by the KV heads (at head dim 64 a per-head pair
+would cost 0.5 bit per value element), then the layer's value codebook. Per head, the ceil(f * tokens * head_dim)
+elements farthest out (|normalised key|; a value's distance from its token's mean in token standard deviations) are
+the sparse outliers: stored as fp16 corrections to their dense decoding at a uint16 index. The first token of a
+sequence (the attention sink) is kept whole in fp16.
+
+Layout of one block (H KV heads, T tokens, D head dim, b bits, n = ceil(f * T * D) outliers per head), little-endian:
+  K codes, V codes        b-bit codes of [H, T, D] row-major, packed by `bitpack` (each packed_num_bytes(H*T*D, b))
+  V centre, V half-range  fp16 [T] each
+  K outlier index, corr.  uint16 [H, n] (t * D + d, ascending per head), fp16 [H, n]
+  V outlier index, corr.  the same for values
+  sink (first block only) fp16 K [H, D] then V [H, D]: token 0 before RoPE, replacing its dense decoding
+Codebooks and key ranges are per layer, in the calibration file (a few KB per model), not in blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shared.kvcompress.bitpack import pack_codes, packed_num_bytes, unpack_codes
+from shared.kvcompress.codec import KvCodec, check_dims, check_kv, split_bytes, to_bytes
+from shared.kvcompress.quantize import fp16_round_up
+
+KVQUANT_BITS = (2, 3, 4)
+_MAX_HEAD_ELEMENTS = 1 << 16  # outlier indices are uint16 within one head's [T, D]
+
+
+@dataclass
+class PackedBlocks:
+    """kvquant blocks as tensors, a leading block dimension B on each: what the bytes hold, section by section."""
+
+    k_codes: torch.Tensor  # uint8 [B, packed bytes]
+    v_codes: torch.Tensor  # uint8 [B, packed bytes]
+    v_center: torch.Tensor  # fp16 [B, T]
+    v_scale: torch.Tensor  # fp16 [B, T]
+    k_outlier_index: torch.Tensor  # int64 [B, H, n]
+    k_outlier_value: torch.Tensor  # fp16 [B, H, n]
+    v_outlier_index: torch.Tensor  # int64 [B, H, n]
+    v_outlier_value: torch.Tensor  # fp16 [B, H, n]
+    k_sink: torch.Tensor | None = None  # fp16 [B, H, D], sequence-starting blocks only
+    v_sink: torch.Tensor | None = None
+
+
+class KvQuantCodec(KvCodec):
+    """One layer's kvquant-b codec.
+
+    Args:
+        bits: 2, 3 or 4.
+        key_center, key_scale: fp32 [kv_heads, head_dim], the calibrated key channel centres and half-ranges.
+        key_codebook, value_codebook: fp32 [2**bits], ascending, in normalised units.
+        outlier_fraction: share of each head's elements kept as sparse fp16 corrections.
+    Raises:
+        ValueError: an unsupported width or codebooks of the wrong size.
+    """
+
+    def __init__(
+        self, bits: int, key_center: torch.Tensor, key_scale: torch.Tensor, key_codebook: torch.Tensor,
+        value_codebook: torch.Tensor, outlier_fraction: float,
+    ) -> None:
+        if bits not in KVQUANT_BITS:
+            raise ValueError(f"kvquant codes are {KVQUANT_BITS} bits, got {bits}")
+        if key_codebook.shape != (1 << bits,) or value_codebook.shape != (1 << bits,):
+            raise ValueError(f"{bits}-bit codebooks need {1 << bits} entries")
+        self.bits, self.name, self.outlier_fraction = bits, f"kvquant-{bits}", outlier_fraction
+        self.keys_before_rope = True
+        self.key_center, self.key_scale = key_center.float().cpu(), key_scale.float().cpu()
+        self.key_codebook, self.value_codebook = key_codebook.float().cpu(), value_codebook.float().cpu()
+
+    # --- the KvCodec byte interface (one block) -------------------------------------------------------------------
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> bytes:
+        """`k` is the block's keys before RoPE."""
+        kv_heads, num_tokens, head_dim = check_kv(k, v)
+        self._check_shape(kv_heads, num_tokens, head_dim)
+        p = self.encode_blocks(k.unsqueeze(0), v.unsqueeze(0), starts_sequence=starts_sequence)
+        sections = [p.k_codes, p.v_codes, p.v_center, p.v_scale, p.k_outlier_index.to(torch.uint16),
+                    p.k_outlier_value, p.v_outlier_index.to(torch.uint16), p.v_outlier_value]
+        if starts_sequence:
+            sections += [p.k_sink, p.v_sink]
+        return to_bytes(*sections)
+
+    def decode(
+        self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, *,
+        starts_sequence: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (before RoPE) and V of one block."""
+        self._check_shape(kv_heads, num_tokens, head_dim)
+        packed = packed_num_bytes(kv_heads * num_tokens * head_dim, self.bits)
+        n = self.outliers_per_head(num_tokens, head_dim)
+        sections = [(torch.uint8, packed), (torch.uint8, packed), (torch.float16, num_tokens),
+                    (torch.float16, num_tokens), (torch.uint16, kv_heads * n), (torch.float16, kv_heads * n),
+                    (torch.uint16, kv_heads * n), (torch.float16, kv_heads * n)]
+        if starts_sequence:
+            sections += [(torch.float16, kv_heads * head_dim)] * 2
+        parts = split_bytes(self, data, sections)
+        outliers = [t.to(torch.int64) if t.dtype == torch.uint16 else t for t in parts[4:8]]
+        blocks = PackedBlocks(
+            *(t.unsqueeze(0) for t in parts[:4]), *(t.view(1, kv_heads, n) for t in outliers),
+            *(t.view(1, kv_heads, head_dim) for t in parts[8:]),
+        )
+        k, v = self.decode_blocks(blocks, kv_heads, num_tokens, head_dim)
+        return k[0].to(dtype), v[0].to(dtype)
+
+    def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False) -> int:
+        self._check_shape(kv_heads, num_tokens, head_dim)
+        codes = 2 * packed_num_bytes(kv_heads * num_tokens * head_dim, self.bits)
+        value_meta = 2 * 2 * num_tokens
+        outliers = 2 * kv_heads * self.outliers_per_head(num_tokens, head_dim) * (2 + 2)
+        sink = 2 * 2 * kv_heads * head_dim if starts_sequence else 0
+        return codes + value_meta + outliers + sink
+
+    def outliers_per_head(self, num_tokens: int, head_dim: int) -> int:
+        """Sparse outliers kept per KV head in a block of K or of V."""
+        return math.ceil(self.outlier_fraction * num_tokens * head_dim - 1e-9)
+
+    def _check_shape(self, kv_heads: int, num_tokens: int, head_dim: int) -> None:
+        check_dims(kv_heads, num_tokens, head_dim)
+        if (kv_heads, head_dim) != tuple(self.key_center.shape):
+            raise ValueError(
+                f"{self.name} is calibrated for {self.key_center.shape[0]} KV heads of dim {self.key_center.shape[1]},"
+                f" got {kv_heads} x {head_dim}"
+            )
+        if num_tokens * head_dim > _MAX_HEAD_ELEMENTS:
+            raise ValueError(f"a block of {num_tokens} tokens x head dim {head_dim} exceeds {_MAX_HEAD_ELEMENTS}")
+
+    # --- tensors, batched over blocks ------------------------------------------------------------------------------
+
+    def encode_blocks(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> PackedBlocks:
+        """k (before RoPE), v: [B, H, T, D] -> the B blocks' sections; `starts_sequence` applies to every block."""
+        batch, heads, tokens, dim = k.shape
+        n = self.outliers_per_head(tokens, dim)
+        k32, v32 = k.float(), v.float()
+        device = k.device
+        # Keys: calibrated per-channel normalisation, then the codebook.
+        center, scale = self.key_center.to(device)[:, None, :], self.key_scale.to(device)[:, None, :]
+        k_norm = (k32 - center) / scale
+        k_codes = _nearest(k_norm, self.key_codebook.to(device))
+        k_dense = self.key_codebook.to(device)[k_codes.long()] * scale + center
+        k_rank = k_norm.abs()
+        # Values: outliers first (distance from the token's mean in token standard deviations), then per-token range.
+        mean = v32.mean(dim=(1, 3), keepdim=True)
+        std = v32.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
+        v_rank = (v32 - mean).abs() / std
+        if starts_sequence:  # the sink is stored whole: never an outlier, never in a range
+            k_rank[:, :, 0], v_rank[:, :, 0] = -1.0, -1.0
+        v_outlier = _top_mask(v_rank, n)
+        v_center, v_scale = _token_range(v32, v_outlier)
+        v_norm = (v32 - v_center.float()[:, None, :, None]) / v_scale.float()[:, None, :, None]
+        v_codes = _nearest(v_norm, self.value_codebook.to(device))
+        v_dense = self.value_codebook.to(device)[v_codes.long()] * v_scale.float()[:, None, :, None] \
+            + v_center.float()[:, None, :, None]
+        k_index, k_corr = _outliers(k_rank, k32 - k_dense, n)
+        v_index, v_corr = _outliers(v_rank, v32 - v_dense, n)
+        packed = PackedBlocks(
+            k_codes=pack_rows(k_codes, self.bits), v_codes=pack_rows(v_codes, self.bits),
+            v_center=v_center, v_scale=v_scale, k_outlier_index=k_index, k_outlier_value=k_corr,
+            v_outlier_index=v_index, v_outlier_value=v_corr,
+        )
+        if starts_sequence:
+            packed.k_sink, packed.v_sink = k[:, :, 0].to(torch.float16), v[:, :, 0].to(torch.float16)
+        return packed
+
+    def decode_blocks(
+        self, blocks: PackedBlocks, kv_heads: int, num_tokens: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (before RoPE) and V, fp32 [B, H, T, D], from `encode_blocks`' sections."""
+        batch = blocks.k_codes.shape[0]
+        shape = (batch, kv_heads, num_tokens, head_dim)
+        count = kv_heads * num_tokens * head_dim
+        device = blocks.k_codes.device
+        k_codes = unpack_rows(blocks.k_codes, count, self.bits).reshape(shape).long()
+        v_codes = unpack_rows(blocks.v_codes, count, self.bits).reshape(shape).long()
+        center, scale = self.key_center.to(device)[:, None, :], self.key_scale.to(device)[:, None, :]
+        k = self.key_codebook.to(device)[k_codes] * scale + center
+        v_center = blocks.v_center.float()[:, None, :, None]
+        v = self.value_codebook.to(device)[v_codes] * blocks.v_scale.float()[:, None, :, None] + v_center
+        k.view(batch, kv_heads, -1).scatter_add_(2, blocks.k_outlier_index, blocks.k_outlier_value.float())
+        v.view(batch, kv_heads, -1).scatter_add_(2, blocks.v_outlier_index, blocks.v_outlier_value.float())
+        if blocks.k_sink is not None and blocks.v_sink is not None:
+            k[:, :, 0], v[:, :, 0] = blocks.k_sink.float(), blocks.v_sink.float()
+        return k, v
+
+
+def _nearest(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """uint8 index of the codebook entry nearest to each element (ties to the lower entry)."""
+    midpoints = (codebook[1:] + codebook[:-1]) / 2
+    return torch.bucketize(x.contiguous(), midpoints).to(torch.uint8)
+
+
+def _top_mask(rank: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [B, H, T, D]: per (block, head), the n elements of highest rank."""
+    mask = torch.zeros_like(rank, dtype=torch.bool)
+    if n:
+        flat = rank.flatten(2)
+        mask.view(flat.shape).scatter_(2, flat.topk(n, dim=2).indices, True)
+    return mask
+
+
+def _token_range(v: torch.Tensor, outlier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (block, token), over every head's non-outlier values: fp16 centre and half-range ([B, T] each).
+
+    The half-range is rounded up to fp16 so the stored range still covers every inlier; a constant token gets 1.
+    """
+    low = v.masked_fill(outlier, float("inf")).amin(dim=(1, 3))
+    high = v.masked_fill(outlier, float("-inf")).amax(dim=(1, 3))
+    center = ((high + low) / 2).to(torch.float16)
+    half = torch.maximum(high - center.float(), center.float() - low)
+    scale = fp16_round_up(half)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if not bool(torch.isfinite(center).all() & torch.isfinite(scale).all()):
+        raise ValueError("cannot quantize: the values hold NaN, inf, or magnitudes beyond the fp16 range")
+    return center, scale
+
+
+def _outliers(rank: torch.Tensor, residual: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (block, head), the n highest-ranked elements: ascending flat index (int64) and fp16 correction."""
+    batch, heads = rank.shape[:2]
+    if not n:
+        empty = torch.empty(batch, heads, 0, dtype=torch.int64, device=rank.device)
+        return empty, empty.to(torch.float16)
+    index = rank.flatten(2).topk(n, dim=2).indices.sort(dim=2).values
+    return index, residual.flatten(2).gather(2, index).to(torch.float16)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [B, ...] -> [B, packed_num_bytes(codes per block, bits)]: each block packed on its own."""
+    batch, count = codes.shape[0], codes[0].numel()
+    group = math.lcm(bits, 8) // bits
+    padded = codes.new_zeros(batch, -(-count // group) * group)
+    padded[:, :count] = codes.reshape(batch, count)
+    return pack_codes(padded, bits).view(batch, -1)
+
+
+def unpack_rows(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The inverse of `pack_rows`: uint8 [B, count]."""
+    batch = packed.shape[0]
+    group = math.lcm(bits, 8) // bits
+    padded = -(-count // group) * group
+    return unpack_codes(packed.reshape(-1), batch * padded, bits).view(batch, padded)[:, :count]
