@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -34,3 +35,8 @@ def select_backend(requested: str, device: torch.device) -> KernelBackend:
     if backend is KernelBackend.TRITON and not triton_available():
         raise ValueError("kernel backend 'triton' requested but the triton package is not installed")
     return backend
+
+
+def on_grid(kernel: Any, grid: tuple[int, ...]) -> Any:
+    """A jitted kernel bound to its launch grid (Triton's `kernel[grid](...)`, which type checkers misread)."""
+    return kernel[grid]

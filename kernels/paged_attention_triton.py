@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kernels.backend import on_grid
 from kernels.kv_layout import pool_dims
 
 # Bound by _load_triton on the first Triton launch: CPU deployments never need triton, and its interpreter
@@ -183,11 +184,6 @@ def _check_common(
     _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
 
 
-def _on_grid(kernel: Any, grid: tuple[int, ...]) -> Any:
-    """A jitted kernel bound to its launch grid (Triton's `kernel[grid](...)`)."""
-    return kernel[grid]
-
-
 def _pool_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Strides in the kernels' argument order: (block, slot in block, KV head, dim)."""
     stride_head, stride_block, stride_slot, stride_dim = cache.stride()
@@ -222,7 +218,7 @@ def store_kv_triton(
     slot_mapping = slot_mapping.contiguous()  # the kernel reads slot i at offset i
     if k.shape[0] == 0:
         return
-    _on_grid(_store_kv_kernel, (k.shape[0],))(
+    on_grid(_store_kv_kernel, (k.shape[0],))(
         k_cache, v_cache, k, v, slot_mapping, block_size, num_kv_heads, head_dim,
         *_pool_strides(k_cache), *k.stride(),
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
@@ -260,7 +256,7 @@ def paged_decode_attention_triton(
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     num_kv_heads, _, block_size, _ = pool_dims(k_cache)
-    _on_grid(_paged_decode_kernel, (batch, num_kv_heads))(
+    on_grid(_paged_decode_kernel, (batch, num_kv_heads))(
         out, q, k_cache, v_cache, block_tables, context_lens, scale,
         block_size, block_tables.shape[1], groups, q.shape[2],
         *q.stride(), out.stride(0), out.stride(1), *_pool_strides(k_cache), block_tables.stride(0),
@@ -289,7 +285,7 @@ def paged_prefill_attention_triton(
     block_table = block_table if block_table.stride(0) == 1 else block_table.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m = 16 if num_new <= 16 else 64
-    _on_grid(_paged_prefill_kernel, (triton.cdiv(num_new, block_m), q.shape[1]))(
+    on_grid(_paged_prefill_kernel, (triton.cdiv(num_new, block_m), q.shape[1]))(
         out, q, k_cache, v_cache, block_table, scale, num_new, context_len, block_size, groups, q.shape[2],
         *q.stride(), out.stride(0), out.stride(1), *_pool_strides(k_cache),
         BLOCK_M=block_m, **_attend_meta(q),

@@ -144,7 +144,9 @@ class CacheStoreService:
             await asyncio.gather(self._publisher, return_exceptions=True)
 
     def load(self) -> Load:
-        return Load(kv_blocks_used=self.store.num_blocks, kv_blocks_total=0)
+        dram = self.store.dram
+        return Load(kv_blocks_used=self.store.num_blocks, kv_blocks_total=0, kv_stored_bytes=dram.num_bytes,
+                    kv_stored_blocks=dram.num_blocks)
 
     def stats(self) -> CacheStats:
         """Per-tier hits, misses, evictions, blocks, bytes and get latency, and the admission and corruption counts."""

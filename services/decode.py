@@ -13,13 +13,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from services.engine_host import EngineHost, load_engine
 from shared.bus import Bus, run_service
 from shared.config import Settings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
+from shared.engine.kv_cache import KVPool
 from shared.engine.sampling import SamplingParams
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import KvReceiver, KvTransferError
+from shared.kv_wire_packed import PackedPromptKv, assemble_packed
 from shared.log import get_logger
 from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Message, PrefillTask, Role, StreamEvent
 
@@ -62,6 +66,7 @@ class DecodeService:
         self._aborts: set[str] = set()
         self._prompts: deque[tuple[PrefillTask, SamplingParams]] = deque()  # to prefill here
         self._samples: list[list[float]] = []  # decode step timings since the last heartbeat
+        self._moved_bytes = self._moved_tokens = 0  # prompt KV received on the wire since start, and its tokens
         self._lock = threading.Lock()  # _ready, _prompts, _running and _samples are shared with the engine thread
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.DECODE, settings.heartbeat_s, self.load)
         self._deadline_task: asyncio.Task[None] | None = None
@@ -92,7 +97,9 @@ class DecodeService:
             num_running=len(running), num_waiting=len(self._waiting) + len(ready),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=[*running, *self._waiting, *ready], samples=samples,
-            block_bytes=self.engine.runner.pool.num_bytes // self.engine.runner.pool.num_blocks,
+            block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
+            kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
+            kv_moved_tokens=self._moved_tokens,
         )
 
     async def handle_message(self, msg: Message) -> None:
@@ -104,6 +111,9 @@ class DecodeService:
                 return
             await self._maybe_ready(msg.request_id)
         elif isinstance(msg, DecodeTask):
+            if self.receiver.is_closed(msg.request_id):  # its KV stream failed (already reported) or was cancelled
+                log.info("decode task after its KV stream closed: dropped", request_id=msg.request_id)
+                return
             self._waiting[msg.request_id] = _Waiting(msg, time.monotonic())
             await self._maybe_ready(msg.request_id)
         elif isinstance(msg, PrefillTask):
@@ -148,13 +158,24 @@ class DecodeService:
         try:
             if assembly is None or assembly.num_received != task.num_chunks:
                 raise KvTransferError(f"request {request_id}: expected {task.num_chunks} KV chunks")
-            kv = await asyncio.to_thread(
-                assembly.assemble, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.engine.runner.pool.tensor.dtype
-            )
+            packed = self.engine.packed_format
+            kv: torch.Tensor | PackedPromptKv
+            if packed is not None:
+                kv = await asyncio.to_thread(
+                    assemble_packed, assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, packed
+                )
+            else:
+                pool = self.engine.runner.pool
+                assert isinstance(pool, KVPool)
+                kv = await asyncio.to_thread(
+                    assembly.assemble, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.tensor.dtype
+                )
             params = _continuation_params(task.sampling.to_params())
         except (KvTransferError, ValueError) as exc:
             await self._fail(request_id, str(exc))
             return
+        self._moved_bytes += assembly.num_wire_bytes
+        self._moved_tokens += len(task.prompt_ids)
         request = PrefilledRequest(
             request_id, task.prompt_ids, task.first_token, task.num_emitted_chars, params, kv, task.num_cached_tokens,
         )

@@ -12,12 +12,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from shared.config import Settings
 from shared.engine.engine import LLMEngine
 from shared.log import get_logger
-from shared.payload import Payload, SizeOnly
 
 log = get_logger(__name__)
 R = TypeVar("R")
@@ -86,12 +83,3 @@ async def load_engine(settings: Settings) -> LLMEngine:
                  kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
         return engine
     return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
-
-
-def block_to_bytes(block: torch.Tensor) -> Payload:
-    """A KV block as the cache-store keeps it: raw bytes, C order, of `export_blocks`' one-block slice
-    [num_layers, 2, kv_heads, 1, block_size, head_dim] (layer-major, so `PrefixLoad` reads it back layer by layer).
-    The sim engine's meta tensor becomes its size alone."""
-    if block.is_meta:
-        return SizeOnly(block.numel() * block.element_size())
-    return block.contiguous().view(torch.uint8).numpy().tobytes()

@@ -53,6 +53,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
         EnvVar("TSUKIMI_KV_CACHE_MB", "512", "KV pool of a prefill or decode instance, MiB (SmolLM2 fp32: 11k tokens)"),
         EnvVar("TSUKIMI_BLOCK_SIZE", "64", "tokens per KV block"),
+        EnvVar("TSUKIMI_KV_CODEC", "none", "KV block storage: none (raw), fp16, int8, kivi-4/2, kvquant-4/3/2"),
+        EnvVar("TSUKIMI_KV_CALIB", "", "calibration file of a kvquant codec (default: the one shipped for SmolLM2)"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
         EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
@@ -147,6 +149,7 @@ def load_settings(
         block_size=get.integer("TSUKIMI_BLOCK_SIZE", minimum=1),
         max_num_seqs=get.integer("TSUKIMI_MAX_NUM_SEQS", minimum=1),
         max_num_batched_tokens=get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1),
+        kv_codec=get.text("TSUKIMI_KV_CODEC"), kv_calib=get.text("TSUKIMI_KV_CALIB") or None,
     )
     try:
         engine = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
@@ -163,6 +166,9 @@ def load_settings(
     if deployment == "colocated" and policy not in COLOCATED_POLICIES:
         raise ConfigError(f"TSUKIMI_POLICY={policy} needs a prefill pool; a colocated deployment routes with "
                           f"{', '.join(COLOCATED_POLICIES)}")
+    engine_kind = get.choice("TSUKIMI_ENGINE", ENGINES)
+    if engine_kind == "sim" and engine.kv_codec != "none":
+        raise ConfigError("TSUKIMI_KV_CODEC applies to the real engine; the sim engine's KV travels as sizes only")
     log_format = get.text("TSUKIMI_LOG_FORMAT").lower()
     if log_format not in ("json", "console"):
         raise ConfigError(f"TSUKIMI_LOG_FORMAT must be json or console, got {log_format!r}")
@@ -175,7 +181,7 @@ def load_settings(
         model_path=get.text("TSUKIMI_MODEL") or None,
         model_name=get.text("TSUKIMI_MODEL_NAME"),
         engine=engine,
-        engine_kind=get.choice("TSUKIMI_ENGINE", ENGINES),
+        engine_kind=engine_kind,
         sim_profile=get.choice("TSUKIMI_SIM_PROFILE", tuple(PROFILES)),
         deployment=deployment,
         heartbeat_s=get.number("TSUKIMI_HEARTBEAT_S", minimum=0.05),

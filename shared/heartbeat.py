@@ -33,6 +33,12 @@ class Load:
     samples: list[list[float]] = field(default_factory=list)  # see Heartbeat.samples
     fetch_bytes_per_s: float = 0.0
     block_bytes: int = 0
+    kv_format: str = ""
+    kv_block_tokens: int = 0
+    kv_stored_bytes: int = 0
+    kv_stored_blocks: int = 0
+    kv_moved_bytes: int = 0
+    kv_moved_tokens: int = 0
 
 
 class HeartbeatSender:

@@ -139,6 +139,7 @@ class KvAssembly:
         self.request_id = request_id
         self.total = total
         self.wire_dtype = ""  # a DTYPE_NAMES key, fixed by the first chunk
+        self.kv_format = ""  # the engines' KV codec for packed chunks (see kv_wire_packed), fixed by the first chunk
         self.num_wire_bytes = 0  # compressed bytes of the accepted (non-duplicate) chunks
         self._pieces: dict[int, _Piece] = {}
 
@@ -178,11 +179,13 @@ class KvAssembly:
             if earlier.header != header:
                 raise KvTransferError(f"{where} arrived twice with different contents")
             return
+        itemsize = 1 if chunk.kv_format else DTYPE_NAMES[chunk.dtype].itemsize  # packed bytes shuffle as bytes
         try:
-            raw = decompress(chunk.codec, chunk.data, chunk.raw_size, DTYPE_NAMES[chunk.dtype].itemsize)
+            raw = decompress(chunk.codec, chunk.data, chunk.raw_size, itemsize)
         except PayloadError as exc:
             raise KvTransferError(f"{where}: {exc}") from None
         self.wire_dtype = self.wire_dtype or chunk.dtype
+        self.kv_format = self.kv_format or chunk.kv_format
         self.num_wire_bytes += len(chunk.data)
         self._pieces[chunk.seq] = _Piece(header, raw)
 
@@ -191,13 +194,16 @@ class KvAssembly:
             raise KvTransferError(f"{where}: unknown dtype {chunk.dtype!r}")
         if self.wire_dtype and chunk.dtype != self.wire_dtype:
             raise KvTransferError(f"{where} is {chunk.dtype}, earlier chunks were {self.wire_dtype}")
+        if self._pieces and chunk.kv_format != self.kv_format:
+            raise KvTransferError(f"{where} is KV format {chunk.kv_format!r}, earlier chunks were {self.kv_format!r}")
         if not (0 <= chunk.layer_start < chunk.layer_end and 0 <= chunk.token_start < chunk.token_end):
             raise KvTransferError(
                 f"{where}: empty or negative range layers [{chunk.layer_start}, {chunk.layer_end}) "
                 f"tokens [{chunk.token_start}, {chunk.token_end})"
             )
         per_head_dim = (chunk.layer_end - chunk.layer_start) * 2 * (chunk.token_end - chunk.token_start)
-        if chunk.raw_size < 1 or chunk.raw_size % (per_head_dim * DTYPE_NAMES[chunk.dtype].itemsize):
+        element = 1 if chunk.kv_format else per_head_dim * DTYPE_NAMES[chunk.dtype].itemsize  # packed: see assemble
+        if chunk.raw_size < 1 or chunk.raw_size % element:
             raise KvTransferError(f"{where}: raw size {chunk.raw_size} does not fit its layer and token ranges")
 
     def assemble(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -210,12 +216,9 @@ class KvAssembly:
             KvTransferError: chunks missing, a chunk whose size does not fit this shape, size-only chunks mixed with
                 others, or a layer not covered exactly once over tokens [0, num_tokens).
         """
-        missing = self.missing()
-        if missing:
-            shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
-            raise KvTransferError(f"request {self.request_id}: {len(missing)} of {self.total} chunks missing ({shown})")
-        num_tokens = max(piece.header.token_end for piece in self._pieces.values())
-        self._check_coverage(num_layers, num_tokens)
+        if self.kv_format:
+            raise KvTransferError(f"request {self.request_id}: packed {self.kv_format} KV needs assemble_packed")
+        num_tokens = self.check_complete(num_layers)
         wire_dtype = DTYPE_NAMES[self.wire_dtype]
         num_size_only = sum(isinstance(piece.raw, SizeOnly) for piece in self._pieces.values())
         if num_size_only not in (0, self.total):
@@ -234,6 +237,24 @@ class KvAssembly:
             if dest is not None:
                 dest[l0:l1, :, :, t0:t1, :] = np.frombuffer(piece.raw, dest.dtype).reshape(shape)  # type: ignore
         return out if dtype == wire_dtype else out.to(dtype)  # e.g. fp32 on the wire -> a bf16 pool
+
+    def check_complete(self, num_layers: int) -> int:
+        """Every chunk is in and every layer covers tokens [0, num_tokens) exactly once; returns num_tokens.
+
+        Raises:
+            KvTransferError: chunks missing, or a layer with a gap, an overlap, or beyond the model's layers.
+        """
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+            raise KvTransferError(f"request {self.request_id}: {len(missing)} of {self.total} chunks missing ({shown})")
+        num_tokens = max(piece.header.token_end for piece in self._pieces.values())
+        self._check_coverage(num_layers, num_tokens)
+        return num_tokens
+
+    def pieces(self) -> list[tuple[KvChunk, Payload]]:
+        """(chunk without its data, decompressed payload) of every chunk received, in seq order."""
+        return [(piece.header, piece.raw) for _, piece in sorted(self._pieces.items())]
 
     def _check_coverage(self, num_layers: int, num_tokens: int) -> None:
         ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
@@ -337,6 +358,10 @@ class KvReceiver:
         forget_before = now - _CLOSED_MEMORY * self.deadline_s
         self._closed = {rid: at for rid, at in self._closed.items() if at >= forget_before}
         return expired
+
+    def is_closed(self, request_id: str) -> bool:
+        """The request's stream failed, was discarded or taken (recently: see the class doc)."""
+        return request_id in self._closed
 
     def discard(self, request_id: str) -> None:
         """Drop the request's stream (cancellation); its later chunks are ignored."""

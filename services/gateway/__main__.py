@@ -37,7 +37,7 @@ def model_info(settings: Settings) -> ModelInfo:
         context_len=checkpoint.config.max_position,
         # sim: prompts are never embedded, but streamed tokens are detokenized by the stand-in tokenizer
         vocab_size=checkpoint.tokenizer.vocab_size if settings.engine_kind == "sim" else checkpoint.config.vocab_size,
-        kv_codec=settings.engine.kv_codec, is_simulated=settings.engine_kind == "sim",
+        kv_format=settings.engine.kv_format, is_simulated=settings.engine_kind == "sim",
     )
 
 

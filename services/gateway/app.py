@@ -16,6 +16,7 @@ from aiohttp import web
 
 from services.gateway.backend import ROLES_FOR_HEALTH, Backend
 from services.gateway.errors import ApiError, bad_request, for_status
+from services.gateway.kv_metrics import KvMetrics
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTimer
 from services.gateway.openai_api import (
     ChatRequest,
@@ -61,6 +62,7 @@ class Gateway:
         self.model, self.backend, self.config = model, backend, config
         self.prompts = PromptBuilder(model, config.block_size)
         self.metrics = GatewayMetrics()
+        self.kv_metrics = KvMetrics()
         self.active_request_ids: set[str] = set()
         self.created = int(time.time())
 
@@ -174,7 +176,9 @@ class Gateway:
     async def metrics_text(self, request: web.Request) -> web.Response:
         for role in self.config.health_roles:
             self.metrics.queue_depth.set(self.backend.num_waiting(role), role=role)
-        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+        self.kv_metrics.update(self.backend.instances())
+        text = self.metrics.render() + "\n".join(self.kv_metrics.render()) + "\n"
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def _from_http_exception(exc: web.HTTPException, max_body_bytes: int) -> ApiError:

@@ -59,6 +59,10 @@ class Backend(Protocol):
         """Requests waiting at the live instances of a role (the sum of their heartbeats' `num_waiting`)."""
         ...
 
+    def instances(self) -> list[Heartbeat]:
+        """The latest heartbeat of every live instance."""
+        ...
+
 
 class _NatsEventStream:
     def __init__(self, backend: NatsBackend, request_id: str) -> None:
@@ -143,3 +147,6 @@ class NatsBackend:
 
     def num_waiting(self, role: str) -> int:
         return sum(beat.num_waiting for beat in self.live.alive(role))
+
+    def instances(self) -> list[Heartbeat]:
+        return self.live.alive()

@@ -31,8 +31,8 @@ class ModelInfo:
         fingerprint: the checkpoint fingerprint (seeds the block-hash namespace).
         context_len: most tokens of prompt plus output (`max_position`).
         vocab_size: token ids a completions prompt may hold are below this.
-        kv_codec: the engines' KV codec (`EngineConfig.kv_codec`), part of the block-hash namespace: the
-            gateway's hashes must equal the ones prefill computes.
+        kv_format: the engines' KV storage format (`EngineConfig.kv_format`), part of the block-hash namespace:
+            the gateway's hashes must equal the ones prefill computes.
         is_simulated: the engines are the sim backend (`/health` and the logs say so).
     """
 
@@ -41,7 +41,7 @@ class ModelInfo:
     fingerprint: str
     context_len: int
     vocab_size: int
-    kv_codec: str
+    kv_format: str
     is_simulated: bool = False
 
 
@@ -63,7 +63,7 @@ class PromptBuilder:
     def __init__(self, model: ModelInfo, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        self.namespace = make_namespace(model.fingerprint, model.kv_codec)
+        self.namespace = make_namespace(model.fingerprint, model.kv_format)
 
     def chat(self, request: ChatRequest) -> PreparedPrompt:
         """Raises ApiError (400): the template rejected the conversation, or it does not fit the context."""

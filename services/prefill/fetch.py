@@ -14,6 +14,7 @@ import time
 
 from services.prefill.measure import MovingRate
 from shared.cache.client import CacheClient
+from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.log import get_logger
@@ -34,7 +35,9 @@ class StoreLoader:
         timeout_s: a load that makes no progress this long fails (its request is then recomputed).
     """
 
-    def __init__(self, cache: CacheClient, pool: KVPool, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def __init__(
+        self, cache: CacheClient, pool: KVPool | CodecKvPool, loop: asyncio.AbstractEventLoop, timeout_s: float
+    ) -> None:
         self.cache, self.pool, self.loop, self.timeout_s = cache, pool, loop, timeout_s
         self.bandwidth = MovingRate()  # bytes per second of completed loads
         self._tasks: set[asyncio.Task[None]] = set()
@@ -50,7 +53,7 @@ class StoreLoader:
 
     def _start(self, request_id: str, hashes: list[int], first_block: int, block_ids: list[int]) -> PrefixLoad:
         """Engine thread, at admission: the load of blocks [first_block, first_block + len(block_ids))."""
-        load = PrefixLoad(self.pool, block_ids, self.timeout_s)
+        load = PrefixLoad(self.pool, block_ids, self.timeout_s, first_block=first_block)
         wanted = hashes[first_block : first_block + len(block_ids)]
         self.loop.call_soon_threadsafe(self._spawn, request_id, wanted, load)
         return load
@@ -72,7 +75,7 @@ class StoreLoader:
             load.fail(f"{type(exc).__name__}: {exc}")
         seconds = time.monotonic() - started
         if load.is_complete:
-            self.bandwidth.add(len(hashes) * load.block_bytes, seconds)
+            self.bandwidth.add(sum(load.block_sizes), seconds)
             log.info("prefix fetched from the cache-store", request_id=request_id, blocks=len(hashes),
                      ms=round(seconds * 1000, 1))
         elif load.error is not None:
@@ -85,5 +88,5 @@ class StoreLoader:
                 received += len(raw)
                 if not load.write(index, raw):
                     return  # failed or closed: stop fetching
-        if received != load.block_bytes:
-            load.fail(f"block {block_hash:#x}: {received} of {load.block_bytes} bytes arrived")
+        if received != load.block_sizes[index]:
+            load.fail(f"block {block_hash:#x}: {received} of {load.block_sizes[index]} bytes arrived")

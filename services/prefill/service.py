@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine_host import EngineHost, block_to_bytes
+from services.engine_host import EngineHost
 from services.prefill.events import KvEventLog
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
@@ -24,12 +24,15 @@ from shared.bus import Bus
 from shared.cache.client import CacheClient
 from shared.config import Settings
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
+from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixSource
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import chunk_layer_kv, num_kv_chunks
+from shared.kv_wire_packed import PackedLayerKv, chunk_packed_layer, num_packed_chunks
 from shared.log import get_logger
+from shared.payload import Payload
 from shared.protocol import (
     Cancel,
     DecodeTask,
@@ -73,7 +76,7 @@ class PrefillService:
 
     def __init__(self, settings: Settings, bus: Bus, engine: LLMEngine, cache: CacheClient | None) -> None:
         self.settings, self.bus, self.engine, self.cache = settings, bus, engine, cache
-        self.host: EngineHost[tuple[RequestOutput, torch.Tensor | None]] = EngineHost(engine)
+        self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
@@ -88,9 +91,11 @@ class PrefillService:
             cache, engine.runner.pool, self.host.loop, settings.kv_deadline_s
         )
         cfg, pool = engine.model_config, engine.runner.pool
-        self._layer_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * pool.tensor.element_size()
+        itemsize = pool.tensor.element_size() if isinstance(pool, KVPool) else pool.tails.element_size()
+        self._layer_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         self._chunk_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
-        self._block_layer_bytes = self._layer_token_bytes * engine.config.block_size  # one layer of one block
+        self._packed = engine.packed_format  # None: raw tensors travel
+        self._moved_bytes = self._moved_tokens = 0  # prompt KV sent to decode since start, and its tokens
 
     async def start(self) -> None:
         subjects, me = self.bus.subjects, self.settings.instance_id
@@ -118,7 +123,9 @@ class PrefillService:
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=list(self._held), samples=self.samples.take(),
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
-            block_bytes=self.engine.runner.pool.num_bytes // blocks.num_blocks,
+            block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
+            kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
+            kv_moved_tokens=self._moved_tokens,
         )
 
     async def handle_task(self, msg: Message) -> None:
@@ -157,7 +164,10 @@ class PrefillService:
 
     def _num_chunks(self, num_tokens: int) -> int:
         cfg = self.engine.model_config
-        is_size_only = self.engine.runner.pool.tensor.is_meta  # the sim engine's KV: one size-only chunk per layer
+        if self._packed is not None:
+            return num_packed_chunks(cfg.num_layers, num_tokens, self._packed, self._chunk_bytes)
+        pool = self.engine.runner.pool
+        is_size_only = isinstance(pool, KVPool) and pool.tensor.is_meta  # the sim engine's KV: size-only chunks
         return num_kv_chunks(cfg.num_layers, num_tokens, self._layer_token_bytes, self._chunk_bytes, is_size_only)
 
     async def _admit(self, held: _Held, params: SamplingParams) -> None:
@@ -199,7 +209,7 @@ class PrefillService:
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
-    def _tick(self) -> tuple[list[tuple[RequestOutput, torch.Tensor | None]], bool]:
+    def _tick(self) -> tuple[list[tuple[RequestOutput, list[Payload] | None]], bool]:
         """One engine step on the engine thread; each finished prompt leaves the engine with its new blocks."""
         for request_id in list(self._aborts):
             self._aborts.discard(request_id)
@@ -216,7 +226,7 @@ class PrefillService:
             self.host.loop.call_soon_threadsafe(self._flush_events)
         return results, self.engine.has_unfinished()
 
-    def _leave(self, out: RequestOutput) -> torch.Tensor | None:
+    def _leave(self, out: RequestOutput) -> list[Payload] | None:
         """A prompt is done: take it out of the engine; returns its new full blocks for the cache-store."""
         held = self._held.get(out.request_id)
         new_blocks = None
@@ -224,7 +234,7 @@ class PrefillService:
             held.is_prefilled = True
             num_full = len(held.task.prompt_ids) // self.engine.config.block_size
             if self.cache is not None and not out.finished and num_full > held.num_store_blocks:
-                new_blocks = self.engine.export_blocks(
+                new_blocks = self.engine.export_block_payloads(
                     out.request_id, held.num_store_blocks, num_full - held.num_store_blocks
                 )
         self.engine.abort(out.request_id)
@@ -242,14 +252,22 @@ class PrefillService:
             held.sends.append(future)
             self.host.loop.call_soon_threadsafe(self._send_layer, held, layer_idx, kv, future)
 
-    def _send_layer(self, held: _Held, layer_idx: int, kv: torch.Tensor, done: asyncio.Future[None]) -> None:
+    def _send_layer(
+        self, held: _Held, layer_idx: int, kv: torch.Tensor | PackedLayerKv, done: asyncio.Future[None]
+    ) -> None:
         async def send() -> None:
             per_layer = held.num_chunks // self.engine.model_config.num_layers
-            encode = functools.partial(
-                chunk_layer_kv, held.task.request_id, layer_idx, kv, layer_idx * per_layer, held.num_chunks,
-                self._chunk_bytes, compress_payload=self.settings.kv_compress,
-            )
+            first, total, compress_payload = layer_idx * per_layer, held.num_chunks, self.settings.kv_compress
+            rid = held.task.request_id
+            if isinstance(kv, PackedLayerKv):
+                assert self._packed is not None
+                encode = functools.partial(chunk_packed_layer, rid, layer_idx, kv, self._packed, first, total,
+                                           self._chunk_bytes, compress_payload=compress_payload)
+            else:
+                encode = functools.partial(chunk_layer_kv, rid, layer_idx, kv, first, total, self._chunk_bytes,
+                                           compress_payload=compress_payload)
             chunks = await self.host.loop.run_in_executor(self._encoder, encode)
+            self._moved_bytes += sum(len(chunk.data) for chunk in chunks)
             subject = self.bus.subjects.decode_kv(held.task.decode_id)
             for chunk in chunks:
                 await self.bus.publish(subject, chunk)
@@ -265,7 +283,7 @@ class PrefillService:
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
-    async def _deliver(self, results: list[tuple[RequestOutput, torch.Tensor | None]]) -> None:
+    async def _deliver(self, results: list[tuple[RequestOutput, list[Payload] | None]]) -> None:
         for out, new_blocks in results:
             held = self._held.pop(out.request_id, None)
             if held is None or held.cancelled:
@@ -290,6 +308,7 @@ class PrefillService:
             await self.bus.publish(subjects.decode_run(task.decode_id), Cancel(task.request_id, "finished at prefill"))
             log.info("finished at prefill", request_id=task.request_id, reason=out.finish_reason)
             return
+        self._moved_tokens += len(task.prompt_ids)
         await self.bus.publish(subjects.decode_run(task.decode_id), DecodeTask(
             task.request_id, task.prompt_ids, out.new_token_ids[0], len(out.new_text), task.sampling,
             held.num_chunks, out.num_cached_tokens, self.settings.instance_id,
@@ -297,14 +316,14 @@ class PrefillService:
         log.info("prefilled", request_id=task.request_id, cached_tokens=out.num_cached_tokens,
                  ttft_s=round(time.time() - task.arrival_time, 4), kv_chunks=held.num_chunks)
 
-    async def _store_blocks(self, held: _Held, blocks: torch.Tensor) -> None:
+    async def _store_blocks(self, held: _Held, blocks: list[Payload]) -> None:
         """Off the critical path: put the prompt's new full blocks into the cache-store, in parts of whole layers (so
         that a later fetch can use each part as it arrives)."""
         assert self.cache is not None
-        first = held.num_store_blocks
-        for i in range(blocks.shape[3]):
-            data = block_to_bytes(blocks[:, :, :, i : i + 1])
-            await self.cache.put_block(held.hashes[first + i], data, align_bytes=self._block_layer_bytes)
+        first, pool = held.num_store_blocks, self.engine.runner.pool
+        for i, data in enumerate(blocks):
+            layer_bytes = pool.payload_layer_bytes(first + i == 0)
+            await self.cache.put_block(held.hashes[first + i], data, align_bytes=layer_bytes)
 
     def _flush_events(self) -> None:
         task = asyncio.ensure_future(self._publish_pending_events())

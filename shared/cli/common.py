@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from shared.engine.config import DTYPES, EngineConfig
+from shared.kvcompress import CODEC_NAMES
 
 
 class CliError(Exception):
@@ -35,13 +36,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-mb", type=positive_int, default=1024, help="size of the paged KV pool in MiB (default: 1024)"
     )
     group.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: 64)")
+    add_kv_codec_args(group)
+
+
+def add_kv_codec_args(group: argparse._ArgumentGroup | argparse.ArgumentParser, default: str | None = "none") -> None:
+    """--kv-codec and --kv-calib (`default=None` leaves them unset, for commands that fall back to variables)."""
+    group.add_argument(
+        "--kv-codec", default=default, choices=["none", *CODEC_NAMES],
+        help="how the KV pool stores full blocks: none (raw tensors of --dtype), fp16, int8, kivi-4, kivi-2, "
+        "kvquant-4, kvquant-3 or kvquant-2 (see README, KV compression)" + (" (default: none)" if default else ""),
+    )
+    group.add_argument(
+        "--kv-calib", default=None, metavar="PATH",
+        help="calibration of a kvquant codec from `tsukimi calibrate kv` (default: the one shipped for SmolLM2)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     """Build the engine settings; a bad combination raises CliError."""
     settings: dict[str, object] = dict(
         device=args.device, dtype=args.dtype, kernels=args.kernels, num_threads=args.threads,
-        kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_mb << 20, block_size=args.block_size, kv_codec=args.kv_codec,
+        kv_calib=args.kv_calib,
     )
     settings.update(overrides)
     try:

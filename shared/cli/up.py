@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.cli.common import CliError, positive_int
+from shared.cli.common import CliError, add_kv_codec_args, positive_int
 from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, load_settings
 from shared.nats_server import NatsServerError, find_nats_server, free_port, wait_for_port
 from shared.sim.engine import sim_model_name
@@ -90,6 +90,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                           "model of --profile predicts, and KV travels as sizes only (TSUKIMI_ENGINE)")
     sim.add_argument("--profile", choices=sorted(PROFILES),
                      help="model and GPUs the sim engine stands for (TSUKIMI_SIM_PROFILE; default llama3-70b-8xa800)")
+    add_kv_codec_args(sim, default=None)
     slo = parser.add_argument_group("scheduling (default: the TSUKIMI_* variables, else conductor, 10000 ms, 500 ms)")
     slo.add_argument("--policy", choices=POLICIES, help="placement policy (TSUKIMI_POLICY)")
     slo.add_argument("--slo-ttft-ms", type=float, metavar="MS",
@@ -261,6 +262,10 @@ def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
         env["TSUKIMI_ENGINE"] = "sim"
     if args.profile:
         env["TSUKIMI_SIM_PROFILE"] = args.profile
+    if args.kv_codec:
+        env["TSUKIMI_KV_CODEC"] = args.kv_codec
+    if args.kv_calib:
+        env["TSUKIMI_KV_CALIB"] = str(Path(args.kv_calib).resolve())
     if args.colocated:
         env["TSUKIMI_DEPLOYMENT"] = "colocated"
         if args.policy is None and "TSUKIMI_POLICY" not in os.environ:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
 import torch
+
+from shared.kvcompress import CODEC_NAMES, KvCalibrationError
+from shared.kvcompress.bundled import calibration_digest, resolve_calibration
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -23,8 +28,11 @@ class EngineConfig:
         kernels: "auto", "torch" or "triton" (see kernels.backend).
         num_threads: CPU threads for torch; 0 keeps torch's default.
         enable_prefix_caching: reuse full KV blocks of earlier requests by chained hash.
+        kv_codec: "none" (the pool holds K/V tensors of `dtype`) or a codec of `shared.kvcompress` (full blocks are
+            stored as the codec's bytes, each sequence's last, partial block in `dtype`).
+        kv_calib: the calibration file of a `kvquant-*` codec (default: the one shipped for SmolLM2).
     Raises:
-        ValueError: an unknown dtype or a setting out of range.
+        ValueError: an unknown dtype or codec, a setting out of range, or a codec without the calibration it needs.
     """
 
     device: str = "auto"
@@ -36,8 +44,14 @@ class EngineConfig:
     kernels: str = "auto"
     num_threads: int = 0
     enable_prefix_caching: bool = True
+    kv_codec: str = "none"
+    kv_calib: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_codec != "none" and self.kv_codec not in CODEC_NAMES:
+            raise ValueError(f"unknown KV codec {self.kv_codec!r}: choose none or one of {', '.join(CODEC_NAMES)}")
+        if self.kv_codec != "none":
+            self.kv_calibration_path  # noqa: B018 -- resolve now: a missing calibration is a settings error
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -45,11 +59,28 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_cache_bytes <= 0:
             raise ValueError("max_num_seqs, max_num_batched_tokens and kv_cache_bytes must be positive")
 
-    @property
-    def kv_codec(self) -> str:
-        """How this engine's KV blocks are stored: raw tensors of the dtype. Part of the block-hash namespace, so
-        engines (and cache-store copies) with different KV formats never share block ids."""
-        return self.dtype
+    @cached_property
+    def kv_calibration_path(self) -> str | None:
+        """The calibration file the codec uses (None when it needs none). Raises ValueError when it is missing."""
+        if self.kv_codec == "none":
+            return None
+        try:
+            path = resolve_calibration(self.kv_codec, self.kv_calib)
+        except KvCalibrationError as exc:
+            raise ValueError(str(exc)) from None
+        if path is not None and not path.is_file():
+            raise ValueError(f"KV calibration file {path} does not exist (make one with `tsukimi calibrate kv`)")
+        return None if path is None else str(path)
+
+    @cached_property
+    def kv_format(self) -> str:
+        """How this engine's KV blocks are stored: raw tensors of the dtype, or a codec (with its calibration's
+        digest). Part of the block-hash namespace, so engines (and cache-store copies) with different KV formats
+        never share block ids."""
+        if self.kv_codec == "none":
+            return self.dtype
+        path = self.kv_calibration_path
+        return self.kv_codec if path is None else f"{self.kv_codec}:{calibration_digest(Path(path))}"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -14,14 +14,17 @@ import torch
 
 from shared.blocks import BlockManager, OutOfBlocks, make_namespace
 from shared.engine.batching import Scheduler, StepPlan
+from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import LayerCallback
+from shared.engine.kv_cache import KVPool, LayerCallback
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
+from shared.kv_wire_packed import PackedFormat, PackedLayerKv, PackedPromptKv
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.payload import Payload
 
 # Called during a step as each layer's K/V lands in the pool, with the sequences whose prompt this step completes.
 LayerHook = Callable[[int, list[Sequence]], None]
@@ -67,7 +70,7 @@ class PrefilledRequest:
     first_token: int  # sampled by prefill, already streamed with its first `num_emitted_chars` characters
     num_emitted_chars: int
     params: SamplingParams
-    kv: torch.Tensor  # [num_layers, 2, kv_heads, len(prompt_ids), head_dim]
+    kv: torch.Tensor | PackedPromptKv  # raw [num_layers, 2, kv_heads, len(prompt_ids), head_dim], or packed
     num_cached_tokens: int = 0  # prompt tokens prefill reused, reported in usage
 
 
@@ -101,10 +104,10 @@ class LLMEngine:
         self.runner: Runner = runner or ModelRunner(checkpoint, self.config)
         self.block_manager = BlockManager(
             self.runner.pool.num_blocks, self.config.block_size,
-            make_namespace(checkpoint.fingerprint, self.config.kv_codec),
+            make_namespace(checkpoint.fingerprint, self.config.kv_format),
         )
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+            self.block_manager, self.runner.max_num_seqs, self.config.max_num_batched_tokens,
             self.config.enable_prefix_caching,
         )
         self._seqs: dict[str, Sequence] = {}
@@ -230,16 +233,39 @@ class LLMEngine:
 
     # ---- disaggregation: KV in and out of this engine -----------------------------------------------------------
 
-    def read_prompt_kv(self, request_id: str, layer_idx: int) -> torch.Tensor:
-        """One layer's K and V of a running request's prompt: [2, kv_heads, num_prompt_tokens, head_dim]."""
-        seq = self._seqs[request_id]
-        return self.runner.pool.read_tokens(layer_idx, self.block_manager.block_ids(request_id), seq.num_prompt_tokens)
+    @property
+    def packed_format(self) -> PackedFormat | None:
+        """How this engine's prompt KV travels when it keeps KV through a codec (None: raw tensors)."""
+        pool = self.runner.pool
+        if not isinstance(pool, CodecKvPool):
+            return None
+        return PackedFormat(self.config.kv_format, pool.block_size, pool.block_bytes, pool.sink_bytes, pool.dtype)
+
+    def read_prompt_kv(self, request_id: str, layer_idx: int) -> torch.Tensor | PackedLayerKv:
+        """One layer's K and V of a running request's prompt: [2, kv_heads, num_prompt_tokens, head_dim], or with a
+        codec its full blocks' bytes and its partial last block."""
+        seq, pool = self._seqs[request_id], self.runner.pool
+        block_ids = self.block_manager.block_ids(request_id)
+        if not isinstance(pool, CodecKvPool):
+            return pool.read_tokens(layer_idx, block_ids, seq.num_prompt_tokens)
+        num_full = seq.num_prompt_tokens // pool.block_size
+        blocks = b"".join(pool.read_block_bytes(layer_idx, block_ids[i], i == 0) for i in range(num_full))
+        tail = pool.read_tail(request_id, layer_idx, seq.num_prompt_tokens % pool.block_size)
+        return PackedLayerKv(blocks, tail, seq.num_prompt_tokens)
+
+    def export_block_payloads(self, request_id: str, first_block: int, num_blocks: int) -> list[Payload]:
+        """Full blocks of a running request as the cache-store keeps them (the pool's `block_payload`)."""
+        block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
+        return [self.runner.pool.block_payload(b, first_block + i == 0) for i, b in enumerate(block_ids)]
 
     def export_blocks(self, request_id: str, first_block: int, num_blocks: int) -> torch.Tensor:
         """Full blocks of a running request, every layer:
         [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
         block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
-        return self.runner.pool.read_blocks(block_ids)
+        pool = self.runner.pool
+        if not isinstance(pool, KVPool):
+            raise TypeError("export_blocks reads raw tensors; a codec pool exports block payloads")
+        return pool.read_blocks(block_ids)
 
     def add_prefilled(self, request: PrefilledRequest) -> None:
         """Continue a request whose prompt was computed elsewhere: its KV goes into the pool and it joins the
@@ -252,19 +278,19 @@ class LLMEngine:
         prompt = request.prompt_ids
         if request.request_id in self._seqs:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        cfg = self.model_config
-        expected = (cfg.num_layers, 2, cfg.num_kv_heads, len(prompt), cfg.head_dim)
-        if tuple(request.kv.shape) != expected:
-            raise ValueError(f"prompt KV has shape {tuple(request.kv.shape)}, expected {expected}")
-        if len(self.scheduler.running) >= self.config.max_num_seqs:
-            raise EngineFull(f"the running batch holds {self.config.max_num_seqs} sequences")
+        self._check_prompt_kv(request.kv, len(prompt))
+        if len(self.scheduler.running) >= self.runner.max_num_seqs:
+            raise EngineFull(f"the running batch holds {self.runner.max_num_seqs} sequences")
         try:
             reused = self.block_manager.allocate(request.request_id, prompt)
         except OutOfBlocks as exc:
             raise EngineFull(str(exc)) from None
-        self.runner.pool.write_tokens(
-            self.block_manager.block_ids(request.request_id), request.kv, reused // self.config.block_size
-        )
+        block_ids = self.block_manager.block_ids(request.request_id)
+        pool = self.runner.pool
+        if isinstance(request.kv, PackedPromptKv):
+            self._write_packed(request.request_id, block_ids, request.kv, reused // self.config.block_size)
+        elif isinstance(pool, KVPool):
+            pool.write_tokens(block_ids, request.kv, reused // self.config.block_size)
         self.block_manager.mark_computed(request.request_id, len(prompt))
         seq = Sequence(request.request_id, [*prompt, request.first_token], len(prompt), request.params)
         seq.num_computed_tokens, seq.num_cached_tokens = len(prompt), request.num_cached_tokens
@@ -274,6 +300,39 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         self._seqs[seq.request_id] = seq
         self._detokenizers[seq.request_id] = detokenizer
+
+    def _check_prompt_kv(self, kv: torch.Tensor | PackedPromptKv, num_tokens: int) -> None:
+        """Raises ValueError unless `kv` is a whole prompt of `num_tokens` in the form this engine's pool keeps."""
+        cfg, fmt = self.model_config, self.packed_format
+        if isinstance(kv, PackedPromptKv):
+            if fmt is None:
+                raise ValueError("packed prompt KV for an engine that keeps raw tensors")
+            full = num_tokens // fmt.block_size
+            tail = (cfg.num_layers, 2, cfg.num_kv_heads, num_tokens % fmt.block_size, cfg.head_dim)
+            if kv.num_tokens != num_tokens or len(kv.layers) != cfg.num_layers or tuple(kv.tail.shape) != tail or any(
+                len(layer) != fmt.blocks_bytes(full) for layer in kv.layers
+            ):
+                raise ValueError(f"packed prompt KV does not hold {num_tokens} tokens of {fmt.kv_format}")
+            return
+        if fmt is not None:
+            raise ValueError(f"raw prompt KV for an engine that keeps {fmt.kv_format}")
+        expected = (cfg.num_layers, 2, cfg.num_kv_heads, num_tokens, cfg.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"prompt KV has shape {tuple(kv.shape)}, expected {expected}")
+
+    def _write_packed(self, request_id: str, block_ids: list[int], kv: PackedPromptKv, first_block: int) -> None:
+        """Packed prompt KV into the codec pool: its blocks from `first_block` on (earlier ones are reused), its
+        tail."""
+        pool = self.runner.pool
+        assert isinstance(pool, CodecKvPool)
+        size = pool.block_size
+        for layer, data in enumerate(kv.layers):
+            for block in range(first_block, kv.num_tokens // size):
+                start = block * pool.block_bytes + (pool.sink_bytes if block else 0)
+                end = start + pool.payload_layer_bytes(block == 0)
+                pool.write_block_bytes(layer, block_ids[block], data[start:end], block == 0)
+            if kv.num_tokens % size:
+                pool.write_tail(request_id, layer, kv.tail[layer])
 
     def _accept_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params
@@ -303,7 +362,7 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
-        self.runner.sampler.forget(seq.request_id)
+        self.runner.forget(seq.request_id)
         del self._seqs[seq.request_id], self._detokenizers[seq.request_id]
         return self._emit(seq, new_tokens, len(seq.text), reason)
 

@@ -18,6 +18,7 @@ from kernels.paged_attention import (
     store_kv,
 )
 from shared.model.config import LlamaConfig
+from shared.payload import Payload, SizeOnly
 
 
 class KVPool:
@@ -44,6 +45,31 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def block_footprint(self) -> int:
+        """What one block id costs, every layer, K and V."""
+        return self.num_bytes // self.num_blocks
+
+    # --- blocks as payloads: what the cache-store keeps (layer-major, so loads can use each layer as it arrives) ---
+
+    def payload_layer_bytes(self, starts_sequence: bool) -> int:
+        """Bytes of one layer of one block in `block_payload` (the same for every block of a raw pool)."""
+        return self.block_footprint // self.tensor.shape[0]
+
+    def block_payload(self, block_id: int, starts_sequence: bool) -> Payload:
+        """Every layer of one block: [num_layers, 2, kv_heads, block_size, head_dim] raw, C order; the sim engine's
+        meta pool gives the size alone."""
+        if self.tensor.is_meta:
+            return SizeOnly(self.block_footprint)
+        return self.read_blocks([block_id]).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def write_payload_layers(self, block_id: int, first_layer: int, data: bytes | bytearray,
+                             starts_sequence: bool) -> None:
+        """Fill layers [first_layer, first_layer + n) of a block from whole layers of its `block_payload`."""
+        _, _, kv_heads, _, block_size, head_dim = self.tensor.shape
+        kv = torch.frombuffer(data, dtype=torch.uint8).view(self.tensor.dtype)
+        self.write_block_layers(block_id, first_layer, kv.view(-1, 2, kv_heads, block_size, head_dim))
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensor[layer_idx, 0], self.tensor[layer_idx, 1]

@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
+from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import KVPool
 from shared.payload import Payload, SizeOnly
 
@@ -20,8 +19,8 @@ from shared.payload import Payload, SizeOnly
 class PrefixLoad:
     """The KV of some full blocks of one sequence, arriving layer by layer.
 
-    A loaded block's bytes are layer-major, as `KVPool.read_blocks` gives one block:
-    [num_layers, 2, kv_heads, 1, block_size, head_dim] in the pool dtype. Each block's bytes come in order, in pieces
+    A loaded block's bytes are the pool's `block_payload`: layer-major, a fixed size per layer (raw tensors, or a
+    codec's bytes, the sequence's first block with its sink). Each block's bytes come in order, in pieces
     of any size (`write`); every layer completed is copied into the pool at once. Layer `l` is ready when every block
     has its layer `l` in the pool. A failed or abandoned load takes no more writes, and layers never ready are never
     read as valid: `wait_layer` says False. A size-only piece (the sim engine's KV, whose pool holds no values) counts
@@ -32,6 +31,7 @@ class PrefixLoad:
     Args:
         pool: the pool written into.
         block_ids: the pool blocks that receive the loaded blocks, in prefix order.
+        first_block: the sequence's index of the first loaded block (block 0 starts the sequence).
         timeout_s: how long a wait may go without the load making progress before the load counts as failed.
         clock: monotonic seconds (tests pass their own).
     Raises:
@@ -39,15 +39,16 @@ class PrefixLoad:
     """
 
     def __init__(
-        self, pool: KVPool, block_ids: list[int], timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+        self, pool: KVPool | CodecKvPool, block_ids: list[int], timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic, first_block: int = 0,
     ) -> None:
         if not block_ids:
             raise ValueError("a prefix load needs at least one block")
         self.pool, self.block_ids, self.clock = pool, list(block_ids), clock
-        _, _, self._num_kv_heads, _, block_size, self._head_dim = pool.tensor.shape
-        self.num_layers = pool.tensor.shape[0]
-        self.layer_bytes = 2 * self._num_kv_heads * block_size * self._head_dim * pool.tensor.element_size()
-        self.block_bytes = self.num_layers * self.layer_bytes
+        self._starts = [first_block + i == 0 for i in range(len(block_ids))]
+        self.num_layers = pool.tensor.shape[0] if isinstance(pool, KVPool) else pool.packed.shape[0]
+        self._layer_bytes = [pool.payload_layer_bytes(starts) for starts in self._starts]
+        self.block_sizes = [self.num_layers * size for size in self._layer_bytes]  # bytes each block brings
         self.timeout_s = timeout_s
         self._last_progress = clock()  # when the load began or last took bytes
         self.error: str | None = None
@@ -81,19 +82,22 @@ class PrefixLoad:
             if self._is_closed or self.error is not None:
                 return False
             staged, first = self._staged[block_index], self._num_layers_in[block_index]
-            if first * self.layer_bytes + len(staged) + len(data) > self.block_bytes:
-                self._fail(f"block {block_index} has more than {self.block_bytes} bytes")
+            layer_bytes, block_bytes = self._layer_bytes[block_index], self.block_sizes[block_index]
+            if first * layer_bytes + len(staged) + len(data) > block_bytes:
+                self._fail(f"block {block_index} has more than {block_bytes} bytes")
                 return False
             if isinstance(data, SizeOnly):  # the sim engine's pool holds no values: layers complete by count
-                num_new = len(data) // self.layer_bytes
+                num_new = len(data) // layer_bytes
             else:
                 staged += data
-                num_new = len(staged) // self.layer_bytes
+                num_new = len(staged) // layer_bytes
             self._last_progress = self.clock()
             if num_new:
                 if not isinstance(data, SizeOnly):
-                    self._copy(block_index, first, staged[: num_new * self.layer_bytes])
-                    del staged[: num_new * self.layer_bytes]
+                    self.pool.write_payload_layers(
+                        self.block_ids[block_index], first, staged[: num_new * layer_bytes], self._starts[block_index]
+                    )
+                    del staged[: num_new * layer_bytes]
                 self._num_layers_in[block_index] = first + num_new
                 self._advance()
             return True
@@ -136,13 +140,6 @@ class PrefixLoad:
         if ready > self._num_ready:
             self._num_ready = ready
             self._cond.notify_all()
-
-    def _copy(self, block_index: int, first_layer: int, data: bytearray) -> None:
-        num = len(data) // self.layer_bytes
-        kv = torch.frombuffer(data, dtype=torch.uint8).view(self.pool.tensor.dtype)
-        # [num, 2, kv_heads, block_size, head_dim]
-        kv = kv.view(num, 2, self._num_kv_heads, -1, self._head_dim)
-        self.pool.write_block_layers(self.block_ids[block_index], first_layer, kv)
 
 
 @dataclass(frozen=True)

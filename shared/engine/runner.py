@@ -11,19 +11,30 @@ import torch
 
 from kernels.backend import KernelBackend, select_backend
 from shared.engine.batching import ScheduledChunk, StepPlan
+from shared.engine.codec_attention import CodecAttention, CodecStepLayout
+from shared.engine.codec_decode import FusedDecode
+from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import KVPool, LayerCallback, PaddedPrefill, PagedAttention, PrefillSegment, StepMetadata
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
+from shared.kvcompress import layer_codecs, load_calibration
 from shared.model.checkpoint import Checkpoint
+from shared.model.config import LlamaConfig
 from shared.model.llama import Llama, build_model
 
 
 class Runner(Protocol):
     """What the engine needs of a runner: the KV pool, the sampler's per-request state, and one step."""
 
-    pool: KVPool
     sampler: Sampler
+    max_num_seqs: int  # the most sequences it can run at once (the engine's batch cap)
+
+    @property
+    def pool(self) -> KVPool | CodecKvPool: ...
+
+    def forget(self, request_id: str) -> None:
+        """The request is finished or aborted: drop its per-request state."""
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
@@ -38,7 +49,8 @@ class ModelRunner:
         checkpoint: the loaded model files.
         config: engine settings (device, dtype, pool size, kernels).
     Raises:
-        ValueError: a pool budget of fewer than 2 blocks, or an unknown or unavailable kernel backend.
+        ValueError: a pool budget of fewer than 2 blocks, an unknown or unavailable kernel backend, or a KV codec
+            calibration that does not fit the model.
     """
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
@@ -49,12 +61,12 @@ class ModelRunner:
         self.model_config = checkpoint.config
         self.model: Llama = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device)
         self.block_size = config.block_size
-        per_block = KVPool.bytes_per_block(checkpoint.config, config.block_size, self.dtype)
-        num_blocks = config.kv_cache_bytes // per_block
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks; need at least 2")
-        self.pool = KVPool(checkpoint.config, num_blocks, config.block_size, self.dtype, self.device)
+        self.max_num_seqs = config.max_num_seqs  # a codec pool may allow fewer (one tail per sequence)
+        self.pool: KVPool | CodecKvPool = self._make_pool(checkpoint.config, config, checkpoint.path.name)
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
+        # kvquant pools decode through the fused kernel on the Triton backend (other codecs: dequantize, attend)
+        is_fused = self.backend is KernelBackend.TRITON and config.kv_codec.startswith("kvquant")
+        self.fused_decode = FusedDecode(self.pool, self.model.rotary) if is_fused else None  # type: ignore[arg-type]
         self.scale = checkpoint.config.head_dim**-0.5
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
@@ -70,9 +82,17 @@ class ModelRunner:
         the pool), then attention.
         """
         input_ids, positions, slots = self._flatten(plan.chunks, block_tables)
-        meta = self._metadata(plan.chunks, block_tables, slots)
-        with torch.inference_mode():
+        ctx: PagedAttention | CodecAttention
+        if isinstance(self.pool, CodecKvPool):
+            for seq in plan.preempted:
+                self.pool.release(seq.request_id)
+            layout = CodecStepLayout.build(plan.chunks, block_tables, self.pool, self.device)
+            ctx = CodecAttention(self.pool, layout, self.scale, self.model.rotary, after_layer, before_layer,
+                                 self.fused_decode, self.backend)
+        else:
+            meta = self._metadata(plan.chunks, block_tables, slots)
             ctx = PagedAttention(self.pool, meta, self.scale, self.backend, after_layer, before_layer)
+        with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
             rows, seqs = self._sample_rows(plan.chunks)
             if not rows:
@@ -81,6 +101,38 @@ class ModelRunner:
             self._suppress_early_eos(logits, seqs)
         tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
         return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        if isinstance(self.pool, CodecKvPool):
+            self.pool.release(request_id)
+
+    def _make_pool(self, model: LlamaConfig, config: EngineConfig, checkpoint_name: str) -> KVPool | CodecKvPool:
+        """The paged pool `config.kv_cache_bytes` pays for: raw tensors, or codec rows plus one tail per sequence."""
+        if config.kv_codec == "none":
+            per_block = KVPool.bytes_per_block(model, config.block_size, self.dtype)
+            num_blocks = config.kv_cache_bytes // per_block
+        else:
+            path = config.kv_calibration_path
+            calibration = None if path is None else load_calibration(path)
+            if calibration is not None and config.kv_calib is None and calibration.info.get("model") != checkpoint_name:
+                raise ValueError(
+                    f"the shipped {config.kv_codec} calibration is for {calibration.info.get('model')}, not "
+                    f"{checkpoint_name}: make one with `tsukimi calibrate kv --model ...` and pass --kv-calib"
+                )
+            codecs = layer_codecs(config.kv_codec, model.num_layers, model.num_kv_heads, model.head_dim, calibration)
+            # Every running sequence holds one full-precision tail; tails take at most a quarter of the budget, and
+            # the batch is capped at the number of tails (`max_num_seqs`).
+            per_tail = CodecKvPool.bytes_per_tail(model, config.block_size, self.dtype)
+            tails = min(config.max_num_seqs, max(1, config.kv_cache_bytes // 4 // per_tail))
+            self.max_num_seqs = tails
+            budget = config.kv_cache_bytes - tails * per_tail
+            num_blocks = max(0, budget) // CodecKvPool.bytes_per_block(codecs[0], model, config.block_size)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks; need at least 2")
+        if config.kv_codec == "none":
+            return KVPool(model, num_blocks, config.block_size, self.dtype, self.device)
+        return CodecKvPool(model, codecs, num_blocks, config.block_size, tails, self.dtype, self.device)
 
     def _suppress_early_eos(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Below `min_tokens`, end-of-sequence tokens cannot be sampled (vLLM's and transformers' semantics)."""

@@ -86,7 +86,7 @@ class KvQuantCodec(KvCodec):
         p = self.encode_blocks(k.unsqueeze(0), v.unsqueeze(0), starts_sequence=starts_sequence)
         sections = [p.k_codes, p.v_codes, p.v_center, p.v_scale, p.k_outlier_index.to(torch.uint16),
                     p.k_outlier_value, p.v_outlier_index.to(torch.uint16), p.v_outlier_value]
-        if starts_sequence:
+        if p.k_sink is not None and p.v_sink is not None:
             sections += [p.k_sink, p.v_sink]
         return to_bytes(*sections)
 
@@ -134,6 +134,43 @@ class KvQuantCodec(KvCodec):
         if num_tokens * head_dim > _MAX_HEAD_ELEMENTS:
             raise ValueError(f"a block of {num_tokens} tokens x head dim {head_dim} exceeds {_MAX_HEAD_ELEMENTS}")
 
+    # --- rows: the byte layout as uint8 tensors, one row per block (the engine's pool, the kernels' input) ---------
+
+    def section_sizes(self, kv_heads: int, num_tokens: int, head_dim: int) -> list[tuple[str, int]]:
+        """(section, bytes) of a block row in layout order, the sink excluded (it follows the row when present)."""
+        return section_sizes(self.bits, kv_heads, num_tokens, head_dim, self.outliers_per_head(num_tokens, head_dim))
+
+    def to_rows(self, blocks: PackedBlocks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """uint8 [B, num_bytes()] rows and, for sequence-starting blocks, uint8 [B, sink bytes] (K then V, fp16)."""
+        parts = [blocks.k_codes, blocks.v_codes, _as_bytes(blocks.v_center), _as_bytes(blocks.v_scale),
+                 _as_bytes(blocks.k_outlier_index.to(torch.int32).to(torch.int16)), _as_bytes(blocks.k_outlier_value),
+                 _as_bytes(blocks.v_outlier_index.to(torch.int32).to(torch.int16)), _as_bytes(blocks.v_outlier_value)]
+        rows = torch.cat(parts, dim=1)
+        if blocks.k_sink is None or blocks.v_sink is None:
+            return rows, None
+        return rows, torch.cat([_as_bytes(blocks.k_sink), _as_bytes(blocks.v_sink)], dim=1)
+
+    def from_rows(
+        self, rows: torch.Tensor, sinks: torch.Tensor | None, kv_heads: int, num_tokens: int, head_dim: int
+    ) -> PackedBlocks:
+        """The inverse of `to_rows` (views into `rows` where the layout allows)."""
+        sizes = self.section_sizes(kv_heads, num_tokens, head_dim)
+        batch, n = rows.shape[0], self.outliers_per_head(num_tokens, head_dim)
+        cut = dict(zip((name for name, _ in sizes), rows.split([size for _, size in sizes], dim=1), strict=True))
+        fp16 = {name: cut[name].contiguous().view(torch.float16) for name in
+                ("v_center", "v_scale", "k_outlier_value", "v_outlier_value")}
+        index = {name: cut[name].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF for name in
+                 ("k_outlier_index", "v_outlier_index")}
+        blocks = PackedBlocks(
+            cut["k_codes"], cut["v_codes"], fp16["v_center"], fp16["v_scale"],
+            index["k_outlier_index"].view(batch, kv_heads, n), fp16["k_outlier_value"].view(batch, kv_heads, n),
+            index["v_outlier_index"].view(batch, kv_heads, n), fp16["v_outlier_value"].view(batch, kv_heads, n),
+        )
+        if sinks is not None:
+            sink = sinks.contiguous().view(torch.float16).view(batch, 2, kv_heads, head_dim)
+            blocks.k_sink, blocks.v_sink = sink[:, 0], sink[:, 1]
+        return blocks
+
     # --- tensors, batched over blocks ------------------------------------------------------------------------------
 
     def encode_blocks(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> PackedBlocks:
@@ -142,24 +179,15 @@ class KvQuantCodec(KvCodec):
         n = self.outliers_per_head(tokens, dim)
         k32, v32 = k.float(), v.float()
         device = k.device
-        # Keys: calibrated per-channel normalisation, then the codebook.
+        norm = normalize_blocks(k32, v32, self.key_center, self.key_scale, n, starts_sequence)
+        k_codes = _nearest(norm.k_norm, self.key_codebook.to(device))
+        v_codes = _nearest(norm.v_norm, self.value_codebook.to(device))
         center, scale = self.key_center.to(device)[:, None, :], self.key_scale.to(device)[:, None, :]
-        k_norm = (k32 - center) / scale
-        k_codes = _nearest(k_norm, self.key_codebook.to(device))
         k_dense = self.key_codebook.to(device)[k_codes.long()] * scale + center
-        k_rank = k_norm.abs()
-        # Values: outliers first (distance from the token's mean in token standard deviations), then per-token range.
-        mean = v32.mean(dim=(1, 3), keepdim=True)
-        std = v32.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
-        v_rank = (v32 - mean).abs() / std
-        if starts_sequence:  # the sink is stored whole: never an outlier, never in a range
-            k_rank[:, :, 0], v_rank[:, :, 0] = -1.0, -1.0
-        v_outlier = _top_mask(v_rank, n)
-        v_center, v_scale = _token_range(v32, v_outlier)
-        v_norm = (v32 - v_center.float()[:, None, :, None]) / v_scale.float()[:, None, :, None]
-        v_codes = _nearest(v_norm, self.value_codebook.to(device))
+        v_center, v_scale = norm.v_center, norm.v_scale
         v_dense = self.value_codebook.to(device)[v_codes.long()] * v_scale.float()[:, None, :, None] \
             + v_center.float()[:, None, :, None]
+        k_rank, v_rank = norm.k_rank, norm.v_rank
         k_index, k_corr = _outliers(k_rank, k32 - k_dense, n)
         v_index, v_corr = _outliers(v_rank, v32 - v_dense, n)
         packed = PackedBlocks(
@@ -192,15 +220,65 @@ class KvQuantCodec(KvCodec):
         return k, v
 
 
+@dataclass
+class NormalizedBlocks:
+    """Blocks mapped to codebook units, before rounding: what encode rounds and calibration clusters."""
+
+    k_norm: torch.Tensor  # fp32 [B, H, T, D]: (k - centre) / half-range per channel
+    v_norm: torch.Tensor  # fp32 [B, H, T, D]: (v - token centre) / token half-range
+    k_rank: torch.Tensor  # fp32 [B, H, T, D]: how far out each element is (the top n per head are outliers)
+    v_rank: torch.Tensor
+    v_center: torch.Tensor  # fp16 [B, T]
+    v_scale: torch.Tensor  # fp16 [B, T]
+
+
+def normalize_blocks(
+    k: torch.Tensor, v: torch.Tensor, key_center: torch.Tensor, key_scale: torch.Tensor, n: int,
+    starts_sequence: bool,
+) -> NormalizedBlocks:
+    """Normalise fp32 pre-RoPE keys per channel and values per token (range over every head's inliers).
+
+    Ranks: |normalised key|; a value's distance from its token's mean in token standard deviations. A sequence's
+    first token (the sink, stored whole) gets rank -1: never an outlier, never in a value range.
+    """
+    device = k.device
+    center, scale = key_center.to(device)[:, None, :], key_scale.to(device)[:, None, :]
+    k_norm = (k - center) / scale
+    k_rank = k_norm.abs()
+    mean = v.mean(dim=(1, 3), keepdim=True)
+    std = v.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
+    v_rank = (v - mean).abs() / std
+    if starts_sequence:
+        k_rank[:, :, 0], v_rank[:, :, 0] = -1.0, -1.0
+    v_center, v_scale = _token_range(v, top_mask(v_rank, n))
+    v_norm = (v - v_center.float()[:, None, :, None]) / v_scale.float()[:, None, :, None]
+    return NormalizedBlocks(k_norm, v_norm, k_rank, v_rank, v_center, v_scale)
+
+
+def section_sizes(bits: int, kv_heads: int, num_tokens: int, head_dim: int, num_outliers: int) -> list[tuple[str, int]]:
+    """(section, bytes) of one block row in layout order (see the module docstring), named as `PackedBlocks`' fields;
+    `num_outliers` per head. Every section is a whole number of its elements, so 2-byte sections start even."""
+    packed = packed_num_bytes(kv_heads * num_tokens * head_dim, bits)
+    outliers = kv_heads * num_outliers * 2
+    return [("k_codes", packed), ("v_codes", packed), ("v_center", 2 * num_tokens), ("v_scale", 2 * num_tokens),
+            ("k_outlier_index", outliers), ("k_outlier_value", outliers), ("v_outlier_index", outliers),
+            ("v_outlier_value", outliers)]
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """[B, ...] of a 2-byte dtype -> uint8 [B, bytes] in native (little-endian on every supported host) order."""
+    return tensor.contiguous().view(tensor.shape[0], -1).view(torch.uint8)
+
+
 def _nearest(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """uint8 index of the codebook entry nearest to each element (ties to the lower entry)."""
     midpoints = (codebook[1:] + codebook[:-1]) / 2
     return torch.bucketize(x.contiguous(), midpoints).to(torch.uint8)
 
 
-def _top_mask(rank: torch.Tensor, n: int) -> torch.Tensor:
-    """bool [B, H, T, D]: per (block, head), the n elements of highest rank."""
-    mask = torch.zeros_like(rank, dtype=torch.bool)
+def top_mask(rank: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [B, H, T, D]: per (block, head), the n elements of highest rank (the outliers)."""
+    mask = torch.zeros(rank.shape, dtype=torch.bool, device=rank.device)
     if n:
         flat = rank.flatten(2)
         mask.view(flat.shape).scatter_(2, flat.topk(n, dim=2).indices, True)

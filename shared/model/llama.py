@@ -183,9 +183,14 @@ def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig)
 
 
 def build_model(
-    config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    pack_weights: bool = True,
 ) -> Llama:
-    """Instantiate the decoder on `device` in `dtype` with the given Hugging Face-named weights, in eval mode."""
+    """Instantiate the decoder on `device` in `dtype` with the given Hugging Face-named weights, in eval mode.
+
+    `pack_weights=False` keeps plain `nn.Linear` layers on CPU (autograd works through them; packed ones are
+    inference-only).
+    """
     with torch.device("meta"):
         model = Llama(config)
     model = model.to_empty(device=device)
@@ -199,6 +204,6 @@ def build_model(
     model = model.to(dtype).eval().requires_grad_(False)
     # RoPE tables stay fp32 whatever the weights are; they are cast per step, after the lookup.
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
-    if can_pack(device):
+    if pack_weights and can_pack(device):
         pack_linears(model)  # the tied lm_head gets its own packed copy; the embedding stays for lookups
     return model

@@ -139,7 +139,9 @@ class KvChunk(Message):
     """One piece of a request's prompt KV (prefill -> decode on `decode.<id>.kv`).
 
     `data` holds layers [layer_start, layer_end) x K/V x kv heads x tokens [token_start, token_end) x head dim
-    in `dtype`, compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes.
+    in `dtype`, compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes. With `kv_format` set (an
+    engine's KV codec, see `shared.kv_wire_packed`) it holds one layer's whole blocks as that codec's bytes, then the
+    partial last block's tokens in `dtype`.
     """
 
     request_id: str
@@ -154,6 +156,7 @@ class KvChunk(Message):
     raw_size: int
     checksum: int
     data: bytes
+    kv_format: str = ""  # "" for raw tensors; else the engines' KV format (EngineConfig.kv_format)
 
 
 # ---- streaming back to the gateway ----------------------------------------------------------------------------
@@ -205,7 +208,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     instance_id: str
     role: str
@@ -223,6 +226,15 @@ class Heartbeat(Message):
     samples: list[list[float]] = field(default_factory=list)
     fetch_bytes_per_s: float = 0.0  # prefill: measured cache-store -> prefill bandwidth (0: not measured yet)
     block_bytes: int = 0  # prefill and decode: bytes of one KV block (all layers), for transfer-time estimates
+    # KV figures for /metrics. kv_format: how the engine stores KV blocks (EngineConfig.kv_format); kv_block_tokens:
+    # tokens per block; kv_stored_bytes / kv_stored_blocks: what the cache-store's DRAM tier holds; kv_moved_bytes /
+    # kv_moved_tokens: since start, prompt KV sent (prefill) or received (decode) on the wire, and its prompt tokens.
+    kv_format: str = ""
+    kv_block_tokens: int = 0
+    kv_stored_bytes: int = 0
+    kv_stored_blocks: int = 0
+    kv_moved_bytes: int = 0
+    kv_moved_tokens: int = 0
 
 
 @message("kv-event")

@@ -66,8 +66,12 @@ class SimRunner:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
         self.pool = KVPool(profile.model, num_blocks, config.block_size, torch.bfloat16, torch.device("meta"))
         self.sampler = Sampler()
+        self.max_num_seqs = config.max_num_seqs
         self.last_step_s = 0.0  # the predicted time of the last step
         self._last_end = -math.inf  # perf_counter() when the last step ended
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,

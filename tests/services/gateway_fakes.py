@@ -15,12 +15,12 @@ from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.backend import BackendUnavailable
 from services.gateway.prompt import ModelInfo
 from shared.model.checkpoint import Checkpoint
-from shared.protocol import StreamEvent, SubmitReply, SubmitRequest
+from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
 
 MODEL = "test-model"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 
-KV_CODEC = "fp32"  # the engines' default KV codec (EngineConfig.kv_codec)
+KV_CODEC = "fp32"  # the engines' default KV format (EngineConfig.kv_format)
 
 
 def sse_payloads(text: str) -> list[Any]:
@@ -87,6 +87,7 @@ class FakeBackend:
     is_scheduler_down: bool = False
     alive: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     waiting: dict[str, int] = field(default_factory=dict)
+    beats: list[Heartbeat] = field(default_factory=list)  # what `instances` reports (the KV metrics read them)
     submits: list[SubmitRequest] = field(default_factory=list)
     cancels: list[tuple[str, str]] = field(default_factory=list)
     open_streams: dict[str, FakeStream] = field(default_factory=dict)
@@ -122,6 +123,9 @@ class FakeBackend:
 
     def num_waiting(self, role: str) -> int:
         return self.waiting.get(role, 0)
+
+    def instances(self) -> list[Heartbeat]:
+        return list(self.beats)
 
 
 def model_info(checkpoint: Checkpoint, context_len: int | None = None) -> ModelInfo:

@@ -128,7 +128,7 @@ async def test_a_size_only_block_from_the_store_completes_a_prefix_load(cluster:
     assert pool.tensor.is_meta and KVPool.bytes_per_block(MODEL, BLOCK, torch.bfloat16) == BLOCK_BYTES
     assert await client.put_block(21, SizeOnly(BLOCK_BYTES))
     load = PrefixLoad(pool, [2])
-    assert load.block_bytes == BLOCK_BYTES
+    assert load.block_sizes == [BLOCK_BYTES]
     async for part in client.get_block_parts(21):
         assert load.write(0, part)
     assert load.is_complete and load.num_ready_layers == MODEL.num_layers and load.error is None

@@ -11,7 +11,7 @@ from gateway_fakes import KV_CODEC, MESSAGES, MODEL, FakeBackend, answering, ser
 
 from services.gateway.prompt import DEFAULT_MAX_TOKENS
 from shared.blocks import block_hashes, make_namespace
-from shared.protocol import StreamEvent, SubmitReply, SubmitRequest
+from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
 
 
 async def test_chat_answer_has_the_openai_shape_and_submits_the_templated_prompt(checkpoint: Any) -> None:
@@ -198,5 +198,27 @@ async def test_metrics_expose_latency_histograms_and_token_counts(checkpoint: An
         f"tsukimi_gateway_prompt_tokens_total {num_prompt}",
         "tsukimi_gateway_cached_prompt_tokens_total 16",
         "tsukimi_gateway_generation_tokens_total 3",
+    ]:
+        assert line in lines, line
+
+
+async def test_metrics_expose_each_instance_kv_storage_and_traffic(checkpoint: Any) -> None:
+    beats = [
+        Heartbeat("decode-0", "decode", 1, 0.0, kv_blocks_total=100, kv_blocks_used=7, block_bytes=336720,
+                  kv_format="kvquant-3:abc", kv_block_tokens=64, kv_moved_bytes=5000, kv_moved_tokens=300),
+        Heartbeat("cache-0", "cache", 1, 0.0, kv_blocks_used=3, kv_stored_bytes=990, kv_stored_blocks=3),
+    ]
+    async with serving(checkpoint, FakeBackend(beats=beats)) as (client, _):
+        text = await (await client.get("/metrics")).text()
+    lines = set(text.splitlines())
+    engine = 'instance="decode-0",role="decode",format="kvquant-3:abc"'
+    for line in [
+        f"tsukimi_kv_block_bytes{{{engine}}} 336720",
+        f"tsukimi_kv_capacity_tokens{{{engine}}} 6400",
+        f"tsukimi_kv_used_tokens{{{engine}}} 448",
+        'tsukimi_kv_moved_bytes_total{instance="decode-0",role="decode"} 5000',
+        'tsukimi_kv_moved_tokens_total{instance="decode-0",role="decode"} 300',
+        'tsukimi_kv_store_dram_bytes{instance="cache-0",role="cache"} 990',
+        'tsukimi_kv_store_dram_blocks{instance="cache-0",role="cache"} 3',
     ]:
         assert line in lines, line

@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
-from services.engine_host import block_to_bytes
+from shared.engine.kv_cache import KVPool
 from shared.kv_wire import KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
+from shared.model.config import LlamaConfig
 from shared.payload import (
     CODEC_SIZE_ONLY,
     PayloadError,
@@ -136,8 +137,14 @@ def test_a_size_only_chunk_carrying_data_is_refused() -> None:
 
 
 def test_a_meta_block_is_stored_as_its_size() -> None:
-    block = torch.empty(LAYERS, 2, HEADS, 1, 8, HEAD_DIM, dtype=torch.bfloat16, device="meta")
-    assert block_to_bytes(block) == SizeOnly(LAYERS * 2 * HEADS * 8 * HEAD_DIM * 2)
-    real = torch.ones(LAYERS, 2, HEADS, 1, 8, HEAD_DIM, dtype=torch.bfloat16)
-    data = block_to_bytes(real)
+    config = LlamaConfig(
+        vocab_size=8, hidden_size=HEADS * HEAD_DIM, intermediate_size=8, num_layers=LAYERS, num_heads=HEADS,
+        num_kv_heads=HEADS, head_dim=HEAD_DIM, rope_theta=1e4, rms_norm_eps=1e-5, max_position=64,
+        tie_word_embeddings=True,
+    )
+    meta = KVPool(config, 3, 8, torch.bfloat16, torch.device("meta"))
+    assert meta.block_payload(1, False) == SizeOnly(LAYERS * 2 * HEADS * 8 * HEAD_DIM * 2)
+    real = KVPool(config, 3, 8, torch.bfloat16, torch.device("cpu"))
+    real.tensor.fill_(1.0)
+    data = real.block_payload(1, False)
     assert isinstance(data, bytes) and len(data) == LAYERS * 2 * HEADS * 8 * HEAD_DIM * 2

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import shared.sim.engine as sim_engine
-from services.engine_host import block_to_bytes
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, PrefilledRequest, RequestOutput
@@ -252,9 +251,8 @@ def test_blocks_export_as_sizes_and_load_back_as_a_prefix(clock: FakeTime, check
     ids = prompt(2 * BLOCK + 76)
     source.add_request("r0", ids, SamplingParams(max_tokens=2))
     source.step()
-    blocks = source.export_blocks("r0", 0, 2)
-    assert blocks.is_meta and tuple(blocks.shape) == (80, 2, 8, 2, BLOCK, 128)
-    block_bytes = [block_to_bytes(blocks[:, :, :, i : i + 1]) for i in range(2)]
+    assert tuple(source.export_blocks("r0", 0, 2).shape) == (80, 2, 8, 2, BLOCK, 128)
+    block_bytes = source.export_block_payloads("r0", 0, 2)
     assert block_bytes == [SizeOnly(PROFILE.kv_bytes_per_token * BLOCK)] * 2
     loads: list[PrefixLoad] = []
 

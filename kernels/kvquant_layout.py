@@ -1,0 +1,161 @@
+"""The packed kvquant pool one layer's kernels read and write, and the per-layer parameters they take.
+
+Owns `KvQuantLayout` (where each section of a pool row lies) and `KvQuantLayerParams` (calibration, derived lookup
+tables and RoPE tables on the kernels' device). The byte format itself is `shared.kvcompress.kvquant`'s: a pool row
+is that module's block layout without the sink section, the sink being kept apart by the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.kvcompress.kvquant import KvQuantCodec, section_sizes
+
+
+@dataclass(frozen=True)
+class KvQuantLayout:
+    """Where each section of one pool row (one layer of one full block, uint8 [bytes_per_block]) starts, in bytes.
+
+    The sections and their sizes are `shared.kvcompress.kvquant.section_sizes`' (the codec's byte layout without the
+    sink): K codes, V codes, V centre and V half-range (fp16 [T]), K outlier index (uint16 [H, n]) and corrections
+    (fp16 [H, n]), the same two for V. Every fp16/uint16 section starts on an even byte, so `pool.view(torch.float16)`
+    and `pool.view(torch.int16)` address them at offset // 2.
+    """
+
+    bits: int
+    block_size: int  # T
+    kv_heads: int  # H
+    head_dim: int  # D
+    num_outliers: int  # n, per KV head in a block of K and of V
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Section name -> first byte, and "end" -> the row's length."""
+        sizes = section_sizes(self.bits, self.kv_heads, self.block_size, self.head_dim, self.num_outliers)
+        offsets, at = {}, 0
+        for name, size in sizes:
+            offsets[name], at = at, at + size
+        return {**offsets, "end": at}
+
+    @property
+    def code_bytes(self) -> int:
+        return self.offsets["v_codes"]
+
+    @property
+    def k_codes_offset(self) -> int:
+        return self.offsets["k_codes"]
+
+    @property
+    def v_codes_offset(self) -> int:
+        return self.offsets["v_codes"]
+
+    @property
+    def v_center_offset(self) -> int:
+        return self.offsets["v_center"]
+
+    @property
+    def v_scale_offset(self) -> int:
+        return self.offsets["v_scale"]
+
+    @property
+    def k_index_offset(self) -> int:
+        return self.offsets["k_outlier_index"]
+
+    @property
+    def k_corr_offset(self) -> int:
+        return self.offsets["k_outlier_value"]
+
+    @property
+    def v_index_offset(self) -> int:
+        return self.offsets["v_outlier_index"]
+
+    @property
+    def v_corr_offset(self) -> int:
+        return self.offsets["v_outlier_value"]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.offsets["end"]
+
+
+def check_kernel_layout(layout: KvQuantLayout) -> None:
+    """Raises ValueError unless the Triton kernels handle the layout: power-of-two head_dim >= 32 and block_size
+    >= 16 (whole tl.dot tiles, RoPE halves of whole code groups)."""
+    dim, tokens = layout.head_dim, layout.block_size
+    if dim < 32 or dim & (dim - 1):
+        raise ValueError(f"kvquant kernels need a power-of-two head_dim >= 32, got {dim}")
+    if tokens < 16 or tokens & (tokens - 1):
+        raise ValueError(f"kvquant kernels need a power-of-two block_size >= 16, got {tokens}")
+
+
+@dataclass(frozen=True)
+class KvQuantLayerParams:
+    """What the kvquant kernels take for one layer, on their device.
+
+    key_center, key_scale: fp32 [H, D]; key_codebook, value_codebook: fp32 [2**b] ascending, and their midpoints fp32
+    [2**b - 1] (a code is the number of midpoints below the normalised element); key_lut: fp32 [H, 2**b, D], the
+    dense pre-RoPE key of each code in each channel (codebook * scale + centre, as the codec computes it); cos, sin:
+    fp32 [max_position, D / 2], the model's RoPE tables (`RotaryEmbedding.cos`/`.sin`).
+    """
+
+    layout: KvQuantLayout
+    outlier_fraction: float
+    key_center: torch.Tensor
+    key_scale: torch.Tensor
+    key_codebook: torch.Tensor
+    value_codebook: torch.Tensor
+    key_midpoints: torch.Tensor
+    value_midpoints: torch.Tensor
+    key_lut: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, layout: KvQuantLayout, outlier_fraction: float, calibration: tuple[torch.Tensor, ...],
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> KvQuantLayerParams:
+        """From (key_center, key_scale, key_codebook, value_codebook) on the device of `cos`.
+
+        Raises:
+            ValueError: tensors whose shapes do not fit the layout.
+        """
+        device = cos.device
+        center, scale, key_cb, value_cb = (t.detach().float().to(device) for t in calibration)
+        heads, dim, codes = layout.kv_heads, layout.head_dim, 1 << layout.bits
+        if center.shape != (heads, dim) or scale.shape != (heads, dim):
+            raise ValueError(f"key centre and scale must be [{heads}, {dim}], got {tuple(center.shape)}")
+        if key_cb.shape != (codes,) or value_cb.shape != (codes,):
+            raise ValueError(f"{layout.bits}-bit codebooks need {codes} entries")
+        if cos.dim() != 2 or cos.shape[1] * 2 != dim or sin.shape != cos.shape:
+            raise ValueError(f"cos and sin must be [max_position, {dim // 2}], got {tuple(cos.shape)}")
+        lut = key_cb[None, :, None] * scale[:, None, :] + center[:, None, :]  # [H, 2**b, D]
+        return cls(
+            layout, outlier_fraction, center, scale, key_cb, value_cb, (key_cb[1:] + key_cb[:-1]) / 2,
+            (value_cb[1:] + value_cb[:-1]) / 2, lut.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
+        )
+
+    @classmethod
+    def from_codec(
+        cls, codec: KvQuantCodec, block_size: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> KvQuantLayerParams:
+        """One layer's params from its `KvQuantCodec`, for pool blocks of `block_size` tokens.
+
+        Raises:
+            ValueError: the codec refuses the shape, or cos/sin do not fit its head dim.
+        """
+        heads, dim = codec.key_center.shape
+        layout = KvQuantLayout(codec.bits, block_size, heads, dim, codec.outliers_per_head(block_size, dim))
+        if layout.bytes_per_block != codec.num_bytes(heads, block_size, dim):
+            raise ValueError("the pool row layout disagrees with the codec's block size; update KvQuantLayout")
+        calibration = (codec.key_center, codec.key_scale, codec.key_codebook, codec.value_codebook)
+        return cls.build(layout, codec.outlier_fraction, calibration, cos, sin)
+
+    def codec(self) -> KvQuantCodec:
+        """The `KvQuantCodec` these params describe (the references' oracle)."""
+        return KvQuantCodec(
+            self.layout.bits, self.key_center, self.key_scale, self.key_codebook, self.value_codebook,
+            self.outlier_fraction,
+        )
