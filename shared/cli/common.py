@@ -43,7 +43,7 @@ def add_kv_codec_args(group: argparse._ArgumentGroup | argparse.ArgumentParser, 
     """--kv-codec and --kv-calib (`default=None` leaves them unset, for commands that fall back to variables)."""
     group.add_argument(
         "--kv-codec", default=default, choices=["none", *CODEC_NAMES],
-        help="how the KV pool stores full blocks: none (raw tensors of --dtype), fp16, int8, kivi-4, kivi-2, "
+        help="how the KV pool stores full blocks: none (raw tensors of --dtype), fp16, int8, kivi-4/3/2, "
         "kvquant-4, kvquant-3 or kvquant-2 (see README, KV compression)" + (" (default: none)" if default else ""),
     )
     group.add_argument(

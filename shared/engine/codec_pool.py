@@ -94,6 +94,8 @@ class CodecKvPool:
 
     def read_tail(self, seq_id: Hashable, layer_idx: int, num_tokens: int) -> torch.Tensor:
         """The first `num_tokens` tokens of a sequence's tail, one layer: [2, kv_heads, num_tokens, head_dim]."""
+        if num_tokens == 0:  # a block-aligned prompt: no tail to take
+            return self.tails.new_zeros(2, self.kv_heads, 0, self.head_dim)
         return self.tails[layer_idx, :, self.tail(seq_id), :, :num_tokens].clone()
 
     def write_tail(self, seq_id: Hashable, layer_idx: int, kv: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from shared.kvcompress.kvquant import KVQUANT_BITS, KvQuantCodec
 from shared.kvcompress.uniform import Fp16Codec, Int8Codec, KiviCodec
 
 CODECS: MappingProxyType[str, KvCodec] = MappingProxyType(
-    {codec.name: codec for codec in (Fp16Codec(), Int8Codec(), KiviCodec(4), KiviCodec(2))}
+    {codec.name: codec for codec in (Fp16Codec(), Int8Codec(), KiviCodec(4), KiviCodec(3), KiviCodec(2))}
 )
 CALIBRATED_CODECS = tuple(f"kvquant-{bits}" for bits in KVQUANT_BITS)
 CODEC_NAMES = (*CODECS, *CALIBRATED_CODECS)

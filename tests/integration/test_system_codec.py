@@ -61,9 +61,9 @@ def test_answers_reuse_cached_blocks_and_metrics_show_the_codec(system: System) 
     assert moved_tokens >= 2 * prompt_tokens
     # Whole blocks travel as kvquant-3 bytes (about 3.4 bits per element), only the partial last block in fp32.
     assert _sum(samples, "tsukimi_kv_moved_bytes_total", "decode") / moved_tokens < FP32_TOKEN_BYTES / 3
-    stored_blocks = _sum(samples, "tsukimi_kv_store_dram_blocks", "cache")
+    stored_blocks = _sum(samples, "tsukimi_kv_store_dram_blocks", "cache-store")
     assert stored_blocks >= prompt_tokens // 64
-    per_block = _sum(samples, "tsukimi_kv_store_dram_bytes", "cache") / stored_blocks
+    per_block = _sum(samples, "tsukimi_kv_store_dram_bytes", "cache-store") / stored_blocks
     assert per_block < 64 * FP32_TOKEN_BYTES / 8
     decode_capacity = _sum(samples, "tsukimi_kv_capacity_tokens", "decode") / 2
     assert decode_capacity > 8 * (64 << 20) // FP32_TOKEN_BYTES * 0.5  # far more than a raw fp32 pool's 1.4k

@@ -206,7 +206,7 @@ async def test_metrics_expose_each_instance_kv_storage_and_traffic(checkpoint: A
     beats = [
         Heartbeat("decode-0", "decode", 1, 0.0, kv_blocks_total=100, kv_blocks_used=7, block_bytes=336720,
                   kv_format="kvquant-3:abc", kv_block_tokens=64, kv_moved_bytes=5000, kv_moved_tokens=300),
-        Heartbeat("cache-0", "cache", 1, 0.0, kv_blocks_used=3, kv_stored_bytes=990, kv_stored_blocks=3),
+        Heartbeat("cache-0", "cache-store", 1, 0.0, kv_blocks_used=3, kv_stored_bytes=990, kv_stored_blocks=3),
     ]
     async with serving(checkpoint, FakeBackend(beats=beats)) as (client, _):
         text = await (await client.get("/metrics")).text()
@@ -218,7 +218,7 @@ async def test_metrics_expose_each_instance_kv_storage_and_traffic(checkpoint: A
         f"tsukimi_kv_used_tokens{{{engine}}} 448",
         'tsukimi_kv_moved_bytes_total{instance="decode-0",role="decode"} 5000',
         'tsukimi_kv_moved_tokens_total{instance="decode-0",role="decode"} 300',
-        'tsukimi_kv_store_dram_bytes{instance="cache-0",role="cache"} 990',
-        'tsukimi_kv_store_dram_blocks{instance="cache-0",role="cache"} 3',
+        'tsukimi_kv_store_dram_bytes{instance="cache-0",role="cache-store"} 990',
+        'tsukimi_kv_store_dram_blocks{instance="cache-0",role="cache-store"} 3',
     ]:
         assert line in lines, line

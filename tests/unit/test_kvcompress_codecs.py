@@ -130,10 +130,10 @@ def test_non_finite_input_is_refused(name: str) -> None:
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert set(CODECS) == {"fp16", "int8", "kivi-4", "kivi-2"}
+    assert set(CODECS) == {"fp16", "int8", "kivi-4", "kivi-3", "kivi-2"}
     assert all(get_codec(name).name == name for name in CODECS)
-    with pytest.raises(ValueError, match="'kivi-3'.*fp16, int8, kivi-4, kivi-2"):
-        get_codec("kivi-3")
+    with pytest.raises(ValueError, match="'kivi-5'.*fp16, int8, kivi-4, kivi-3, kivi-2, kvquant-2"):
+        get_codec("kivi-5")
     with pytest.raises(ValueError, match="unsupported code width"):
         KiviCodec(5)
 
