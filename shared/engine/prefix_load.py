@@ -47,8 +47,8 @@ class PrefixLoad:
         self.pool, self.block_ids, self.clock = pool, list(block_ids), clock
         self._starts = [first_block + i == 0 for i in range(len(block_ids))]
         self.num_layers = pool.tensor.shape[0] if isinstance(pool, KVPool) else pool.packed.shape[0]
-        self._layer_bytes = [pool.payload_layer_bytes(starts) for starts in self._starts]
-        self.block_sizes = [self.num_layers * size for size in self._layer_bytes]  # bytes each block brings
+        self.layer_sizes = [pool.payload_layer_bytes(starts) for starts in self._starts]  # bytes of one layer, each
+        self.block_sizes = [self.num_layers * size for size in self.layer_sizes]  # bytes each block brings
         self.timeout_s = timeout_s
         self._last_progress = clock()  # when the load began or last took bytes
         self.error: str | None = None
@@ -82,7 +82,7 @@ class PrefixLoad:
             if self._is_closed or self.error is not None:
                 return False
             staged, first = self._staged[block_index], self._num_layers_in[block_index]
-            layer_bytes, block_bytes = self._layer_bytes[block_index], self.block_sizes[block_index]
+            layer_bytes, block_bytes = self.layer_sizes[block_index], self.block_sizes[block_index]
             if first * layer_bytes + len(staged) + len(data) > block_bytes:
                 self._fail(f"block {block_index} has more than {block_bytes} bytes")
                 return False

@@ -39,7 +39,7 @@ def test_layers_become_ready_as_every_block_brings_them_in_any_pieces() -> None:
     blocks = torch.randn(3, 2, 2, 2, 2, 4)  # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
     load = PrefixLoad(pool, [3, 1])
     data = [block_bytes(blocks[:, :, :, b : b + 1]) for b in range(2)]
-    layer = load.layer_bytes
+    layer = load.layer_sizes[0]
     assert load.write(0, data[0][: 2 * layer + 5])  # block 0: two layers and a few bytes of the third
     assert load.num_ready_layers == 0  # block 1 has nothing yet
     assert load.write(1, data[1][:layer])
@@ -54,21 +54,21 @@ def test_layers_become_ready_as_every_block_brings_them_in_any_pieces() -> None:
 def test_a_failed_or_closed_load_takes_no_more_bytes_and_wakes_the_waiter() -> None:
     pool = small_pool()
     load = PrefixLoad(pool, [0])
-    assert not load.write(0, bytes(load.block_bytes + 1))  # more than a block holds
+    assert not load.write(0, bytes(load.block_sizes[0] + 1))  # more than a block holds
     assert load.error is not None and not load.wait_layer(0)
     waiting = PrefixLoad(pool, [1])
     timer = threading.Timer(0.05, waiting.fail, ["the block vanished"])
     timer.start()
     assert not waiting.wait_layer(0) and waiting.waited_s >= 0.04
-    assert not waiting.write(0, bytes(waiting.layer_bytes)) and pool.tensor[0, :, :, 1].abs().sum() == 0
+    assert not waiting.write(0, bytes(waiting.layer_sizes[0])) and pool.tensor[0, :, :, 1].abs().sum() == 0
     closed = PrefixLoad(pool, [2])
     closed.close()
-    assert not closed.write(0, bytes(closed.layer_bytes)) and not closed.wait_layer(0)
+    assert not closed.write(0, bytes(closed.layer_sizes[0])) and not closed.wait_layer(0)
 
 
 def test_a_stalled_load_times_out() -> None:
     load = PrefixLoad(small_pool(), [0], timeout_s=0.05)
-    assert load.write(0, bytes(load.layer_bytes))  # progress keeps it alive; then nothing comes
+    assert load.write(0, bytes(load.layer_sizes[0]))  # progress keeps it alive; then nothing comes
     assert load.wait_layer(0) and not load.wait_layer(1)
     assert "no progress" in (load.error or "")
 
