@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kernels.backend import on_grid
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
 
 triton: Any = None  # bound by _load_triton, as in kernels.paged_attention_triton
@@ -206,12 +207,12 @@ def kvquant_pack_triton(
     rows16 = rows.view(torch.float16)
     tile = min(layout.block_size, 32)
     common = {"T": layout.block_size, "D": layout.head_dim, "TILE": tile, "enable_fp_fusion": False}
-    _value_range_kernel[(k.shape[0], layout.block_size // tile)](
+    on_grid(_value_range_kernel, (k.shape[0], layout.block_size // tile))(
         rows16, v, is_outlier, layout.kv_heads, layout.bytes_per_block, layout.v_center_offset,
         layout.v_scale_offset, **common,
     )
     bits = layout.bits
-    _pack_codes_kernel[(k.shape[0], layout.kv_heads)](
+    on_grid(_pack_codes_kernel, (k.shape[0], layout.kv_heads))(
         rows, rows16, k, v, k_index, v_index, params.key_center, params.key_scale, params.key_midpoints,
         params.value_midpoints, params.key_lut, params.value_codebook,
         layout.kv_heads, layout.num_outliers, layout.bytes_per_block, layout.v_codes_offset, layout.v_center_offset,

@@ -1,8 +1,9 @@
-"""Decode tokens over a kvquant pool through the fused kernel: the glue between a step's layout and
-`kernels.kvquant_attention` (which reads the pool's rows, sinks and the staged tails as they are).
+"""A kvquant pool on the Triton backend: full blocks packed by the quantize-and-pack kernel, decode tokens attended by
+the fused decode kernel (`kernels.kvquant_pack`, `kernels.kvquant_attention`, reading the pool's rows, sinks and the
+staged tails as they are).
 
-Owns the per-layer kernel parameters of a pool and the gathering of the kernel's inputs for a step's decode tokens;
-what each token may see is `codec_attention`'s rule, which this reproduces exactly.
+Owns the per-layer kernel parameters of a pool and the gathering of the kernels' inputs; what each token may see is
+`codec_attention`'s rule, which this reproduces exactly.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import torch
 from kernels.backend import KernelBackend
 from kernels.kvquant_attention import kvquant_decode_attention
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
+from kernels.kvquant_pack import kvquant_pack
 from shared.engine.codec_pool import CodecKvPool
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
 
 class FusedDecode:
-    """Per-layer `KvQuantLayerParams` of a kvquant pool, built once; `attend` runs a step's decode tokens.
+    """Per-layer `KvQuantLayerParams` of a kvquant pool, built once; `encode` packs full blocks (it becomes the
+    pool's encoder), `attend` runs a step's decode tokens.
 
     Raises:
         ValueError: the pool's codec is not kvquant, or its shape is one the kernel does not handle.
@@ -34,6 +37,18 @@ class FusedDecode:
             for codec in pool.codecs  # type: ignore[arg-type]
         ]
         check_kernel_layout(self.params[0].layout)
+        pool.encoder = self.encode
+
+    def encode(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, starts_sequence: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Full blocks' K (before RoPE) and V [B, H, T, D] -> pool rows and, for sequence-starting blocks, sink
+        rows: what the codec writes, by the pack kernel."""
+        rows = kvquant_pack(k, v, self.params[layer_idx], KernelBackend.TRITON, starts_sequence=starts_sequence)
+        if not starts_sequence:
+            return rows, None
+        sink = torch.stack([k[:, :, 0], v[:, :, 0]], dim=1).to(torch.float16)  # [B, 2, H, D]: K then V
+        return rows, sink.contiguous().view(k.shape[0], -1).view(torch.uint8)
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,

@@ -10,7 +10,7 @@ and attends is `codec_attention`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -50,6 +50,10 @@ class CodecKvPool:
         self.tails = torch.zeros(config.num_layers, 2, num_tails, *shape, dtype=dtype, device=device)
         self._tail_of: dict[Hashable, int] = {}
         self._free_tails = list(range(num_tails - 1, -1, -1))
+        # Replaces the codec's torch encoding when set (the Triton pack kernel on GPUs): (layer, k, v, starts) ->
+        # (rows, sink rows or None), bit for bit what the codec writes.
+        self.encoder: Callable[[int, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]] \
+            | None = None
 
     @staticmethod
     def bytes_per_block(codec: KvCodec, config: LlamaConfig, block_size: int) -> int:
@@ -135,7 +139,10 @@ class CodecKvPool:
             if not picked:
                 continue
             ids = torch.tensor([block_ids[i] for i in picked], dtype=torch.long, device=self.packed.device)
-            rows, sinks = self._encode(codec, k[picked], v[picked], flag)
+            if self.encoder is not None:
+                rows, sinks = self.encoder(layer_idx, k[picked], v[picked], flag)
+            else:
+                rows, sinks = self._encode(codec, k[picked], v[picked], flag)
             self.packed[layer_idx].index_copy_(0, ids, rows.to(self.packed.device))
             if sinks is not None:
                 self.sinks[layer_idx].index_copy_(0, ids, sinks.to(self.packed.device))

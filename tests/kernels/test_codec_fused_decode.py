@@ -1,6 +1,7 @@
-"""The engine's fused decode path over a kvquant pool (Triton, through the interpreter on CPU) gives what its
-dequantize-then-attend path gives, step after step: decode tokens whose context spans packed blocks, the sink, a
-tail, and a block filling up during the step; prefill chunks of the same steps keep the reference path."""
+"""The engine's kvquant pool on the Triton backend (through the interpreter on CPU) gives what its torch path gives,
+step after step: blocks packed by the pack kernel are the codec's bytes, and the fused decode kernel attends as
+dequantize-then-attend does over packed blocks, the sink, a tail, and a block filling up during the step; prefill
+chunks of the same steps keep the reference path."""
 
 from __future__ import annotations
 
@@ -66,4 +67,7 @@ def test_fused_decode_matches_the_reference_path_over_steps(triton_ready: None) 
                 seqs[r].num_computed_tokens += step[r]
     for expected, got in zip(outputs["torch"], outputs["triton"], strict=True):
         assert torch.allclose(got, expected, atol=2e-4), (got - expected).abs().max()
+    # Blocks packed by the pack kernel (the Triton pool's encoder) are the codec's bytes, sinks included.
+    assert pools["triton"].encoder is not None and pools["torch"].encoder is None
     assert torch.equal(pools["torch"].packed, pools["triton"].packed)
+    assert torch.equal(pools["torch"].sinks, pools["triton"].sinks) and pools["torch"].sinks.any()
