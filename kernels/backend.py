@@ -6,7 +6,9 @@ under TRITON_INTERPRET=1 (the kernel tests do that).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -40,3 +42,21 @@ def select_backend(requested: str, device: torch.device) -> KernelBackend:
 def on_grid(kernel: Any, grid: tuple[int, ...]) -> Any:
     """A jitted kernel bound to its launch grid (Triton's `kernel[grid](...)`, which type checkers misread)."""
     return kernel[grid]
+
+
+def jit_into(namespace: dict[str, Any], functions: Sequence[Callable[..., Any]]) -> Any:
+    """Import triton, bind `tl` in `namespace` and replace each function there by its jitted version (kernels call
+    each other through their module's globals); returns the triton module, which the caller binds last: it marks
+    the kernels ready. Kernel modules import triton only here, on their first launch.
+
+    Raises:
+        RuntimeError: triton is not installed.
+    """
+    try:
+        triton_module = importlib.import_module("triton")
+        namespace["tl"] = importlib.import_module("triton.language")
+    except ImportError:
+        raise RuntimeError("the triton package is not installed; use KernelBackend.TORCH") from None
+    for function in functions:
+        namespace[function.__name__] = triton_module.jit(function)
+    return triton_module

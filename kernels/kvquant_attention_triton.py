@@ -27,14 +27,13 @@ kernel merges the splits' (max, sum, unnormalised output). Per packed block it r
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
 import torch
 
 from kernels import kvquant_rows_triton as rows_triton
-from kernels.backend import on_grid
+from kernels.backend import jit_into, on_grid
 from kernels.kvquant_layout import KvQuantLayerParams, KvQuantLayout, check_kernel_layout
 from kernels.kvquant_rows_triton import decode_groups, dense_keys, load_outliers, load_words, prefetch_block
 
@@ -231,18 +230,11 @@ _ROW_FUNCTIONS = ("load_words", "decode_groups", "dense_keys", "load_outliers", 
 
 def _load_triton() -> None:
     """Import triton and jit the kernels above; RuntimeError if triton is not installed."""
-    global triton, tl
-    try:
-        triton_module = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")
-    except ImportError:
-        raise RuntimeError("the triton package is not installed; use KernelBackend.TORCH") from None
+    global triton
     rows_triton.load_triton()
     for name in _ROW_FUNCTIONS:  # the jitted versions, under the names the kernels call
         globals()[name] = getattr(rows_triton, name)
-    for kernel in _KERNELS:
-        globals()[kernel.__name__] = triton_module.jit(kernel)
-    triton = triton_module
+    triton = jit_into(globals(), _KERNELS)
 
 
 # ---- Launcher ----------------------------------------------------------------------------------------------

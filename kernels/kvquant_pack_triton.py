@@ -9,13 +9,12 @@ codes, bit-packed, and the outliers' corrections (which need the ranges).
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
 import torch
 
-from kernels.backend import on_grid
+from kernels.backend import jit_into, on_grid
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
 
 triton: Any = None  # bound by _load_triton, as in kernels.paged_attention_triton
@@ -148,15 +147,8 @@ _KERNELS = (_fp16_round_up, _nearest, _value_range_kernel, _key_corrections, _va
 
 def _load_triton() -> None:
     """Import triton and jit the kernels above; RuntimeError if triton is not installed."""
-    global triton, tl
-    try:
-        triton_module = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")
-    except ImportError:
-        raise RuntimeError("the triton package is not installed; use KernelBackend.TORCH") from None
-    for kernel in _KERNELS:
-        globals()[kernel.__name__] = triton_module.jit(kernel)
-    triton = triton_module
+    global triton
+    triton = jit_into(globals(), _KERNELS)
 
 
 # ---- Launcher ----------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ the sparse outliers, cache prefetches. Called by `kernels.kvquant_attention_trit
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from kernels.backend import jit_into
 
 triton: Any = None  # bound by load_triton, as in kernels.paged_attention_triton
 tl: Any = None
@@ -98,14 +99,6 @@ _FUNCTIONS = (load_words, _pair, decode_groups, dense_keys, load_outliers, _pref
 
 def load_triton() -> None:
     """Import triton and jit the functions above (once); RuntimeError if triton is not installed."""
-    global triton, tl
-    if triton is not None:
-        return
-    try:
-        triton_module = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")
-    except ImportError:
-        raise RuntimeError("the triton package is not installed; use KernelBackend.TORCH") from None
-    for function in _FUNCTIONS:  # they call each other through these module globals
-        globals()[function.__name__] = triton_module.jit(function)
-    triton = triton_module
+    global triton
+    if triton is None:
+        triton = jit_into(globals(), _FUNCTIONS)

@@ -5,12 +5,11 @@ Triton is imported on the first launch, never on CPU deployments.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 
-from kernels.backend import on_grid
+from kernels.backend import jit_into, on_grid
 from kernels.kv_layout import pool_dims
 
 # Bound by _load_triton on the first Triton launch: CPU deployments never need triton, and its interpreter
@@ -141,15 +140,8 @@ _KERNELS = (_store_kv_kernel, _dot, _attend, _paged_decode_kernel, _paged_prefil
 
 def _load_triton() -> None:
     """Import triton and jit the kernels above; RuntimeError if triton is not installed."""
-    global triton, tl
-    try:
-        triton_module = importlib.import_module("triton")
-        tl = importlib.import_module("triton.language")
-    except ImportError:
-        raise RuntimeError("the triton package is not installed; use KernelBackend.TORCH") from None
-    for kernel in _KERNELS:  # kernels call each other through these module globals
-        globals()[kernel.__name__] = triton_module.jit(kernel)
-    triton = triton_module  # last: it marks the kernels ready
+    global triton
+    triton = jit_into(globals(), _KERNELS)
 
 
 # ---- Launchers: check arguments, pick tile sizes, launch ---------------------------------------------------
