@@ -21,6 +21,8 @@ from pathlib import Path
 
 from _system import REPO_ROOT, StartError, SystemSpec, start_system, stop_system
 
+from services.gateway.kv_metrics import parse_kv_samples, total_for_role
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,17 +42,7 @@ def scrape(base_url: str) -> dict[str, float]:
     """The tsukimi_kv_* samples of /metrics, keyed by `name{labels}`."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
     with opener.open(f"{base_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("tsukimi_kv_"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples
-
-
-def pick(samples: dict[str, float], name: str, role: str) -> float:
-    return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'role="{role}"' in k)
+        return parse_kv_samples(response.read().decode())
 
 
 def run_codec(codec: str, args: argparse.Namespace, log_root: Path) -> dict[str, float]:
@@ -69,14 +61,16 @@ def run_codec(codec: str, args: argparse.Namespace, log_root: Path) -> dict[str,
     finally:
         stop_system(system)
     summary = json.loads(out.read_text())["summary"]
-    moved_tokens = pick(samples, "tsukimi_kv_moved_tokens_total", "decode")
-    store_blocks = pick(samples, "tsukimi_kv_store_dram_blocks", "cache-store")
+    def total(name: str, role: str) -> float:
+        return total_for_role(samples, f"tsukimi_kv_{name}", role)
+
+    store_blocks, moved_tokens = total("store_dram_blocks", "cache-store"), total("moved_tokens_total", "decode")
     return {
-        "decode_block_bytes": pick(samples, "tsukimi_kv_block_bytes", "decode"),
-        "decode_capacity_tokens": pick(samples, "tsukimi_kv_capacity_tokens", "decode"),
-        "store_bytes_per_block": pick(samples, "tsukimi_kv_store_dram_bytes", "cache-store") / max(1.0, store_blocks),
+        "decode_block_bytes": total("block_bytes", "decode"),
+        "decode_capacity_tokens": total("capacity_tokens", "decode"),
+        "store_bytes_per_block": total("store_dram_bytes", "cache-store") / max(1.0, store_blocks),
         "store_blocks": store_blocks,
-        "moved_bytes_per_token": pick(samples, "tsukimi_kv_moved_bytes_total", "decode") / max(1.0, moved_tokens),
+        "moved_bytes_per_token": total("moved_bytes_total", "decode") / max(1.0, moved_tokens),
         "ttft_median_ms": summary["ttft"]["median_ms"] or 0.0, "tpot_median_ms": summary["tpot"]["median_ms"] or 0.0,
         "cache_hit_rate": summary["cache_hit_rate"] or 0.0, "completed": summary["num_completed"],
     }

@@ -8,6 +8,7 @@ is that module's block layout without the sink section, the sink being kept apar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -30,7 +31,7 @@ class KvQuantLayout:
     head_dim: int  # D
     num_outliers: int  # n, per KV head in a block of K and of V
 
-    @property
+    @cached_property
     def offsets(self) -> dict[str, int]:
         """Section name -> first byte, and "end" -> the row's length."""
         sizes = section_sizes(self.bits, self.kv_heads, self.block_size, self.head_dim, self.num_outliers)

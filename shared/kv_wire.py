@@ -34,7 +34,7 @@ class KvTransferError(PayloadError):
 
 
 DTYPE_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}
+WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}  # torch dtype -> the name chunks carry
 _INT_OF_SIZE = {4: torch.int32, 2: torch.int16}  # same-size stand-ins numpy understands (it has no bf16)
 _CLOSED_MEMORY = 10.0  # a closed request's late chunks are ignored for this many deadlines
 
@@ -81,7 +81,7 @@ def chunk_layer_kv(
     """
     if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] < 1 or kv.shape[3] < 1:
         raise ValueError(f"kv must be [2, num_kv_heads, num_tokens, head_dim], got {list(kv.shape)}")
-    if kv.dtype not in _WIRE_NAMES:
+    if kv.dtype not in WIRE_NAMES:
         raise ValueError(f"kv dtype {kv.dtype} has no wire name (one of {sorted(DTYPE_NAMES)})")
     if max_chunk_bytes < 1:
         raise ValueError("max_chunk_bytes must be >= 1")
@@ -90,7 +90,7 @@ def chunk_layer_kv(
     if kv.is_meta:
         if num_tokens == 0:
             return []
-        return [KvChunk(request_id, first_seq, total, layer_idx, layer_idx + 1, 0, num_tokens, _WIRE_NAMES[kv.dtype],
+        return [KvChunk(request_id, first_seq, total, layer_idx, layer_idx + 1, 0, num_tokens, WIRE_NAMES[kv.dtype],
                         CODEC_SIZE_ONLY, kv.numel() * itemsize, checksum(b""), b"")]
     kv = kv.detach().cpu()
     step = _tokens_per_chunk(2 * num_kv_heads * head_dim * itemsize, max_chunk_bytes)
@@ -101,7 +101,7 @@ def chunk_layer_kv(
         codec, data = compress(raw, itemsize) if compress_payload else (CODEC_RAW, raw)
         chunks.append(KvChunk(
             request_id=request_id, seq=first_seq + i, total=total, layer_start=layer_idx, layer_end=layer_idx + 1,
-            token_start=t0, token_end=t1, dtype=_WIRE_NAMES[kv.dtype], codec=codec, raw_size=len(raw),
+            token_start=t0, token_end=t1, dtype=WIRE_NAMES[kv.dtype], codec=codec, raw_size=len(raw),
             checksum=checksum(data), data=data,
         ))
     return chunks

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvTransferError
+from shared.kv_wire import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError
 from shared.payload import CODEC_RAW, SizeOnly, checksum, compress
 from shared.protocol import KvChunk
-
-_WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def chunk_packed_layer(
         codec, data = compress(raw, 1) if compress_payload else (CODEC_RAW, raw)
         chunks.append(KvChunk(
             request_id=request_id, seq=first_seq + i, total=total, layer_start=layer_idx, layer_end=layer_idx + 1,
-            token_start=t0, token_end=t1, dtype=_WIRE_NAMES[fmt.tail_dtype], codec=codec, raw_size=len(raw),
+            token_start=t0, token_end=t1, dtype=WIRE_NAMES[fmt.tail_dtype], codec=codec, raw_size=len(raw),
             checksum=checksum(data), data=data, kv_format=fmt.kv_format,
         ))
     return chunks

@@ -1,7 +1,8 @@
 """The KV series of the gateway's /metrics, from the instances' latest heartbeats: how each engine stores KV (bytes
 per block, tokens it holds), what the cache-store's DRAM holds, and what prompt KV has moved prefill -> decode.
 
-Owns these series and their refresh; the exposition format is `metrics`, the heartbeats `shared.heartbeat`.
+Owns these series, their refresh, and reading them back from /metrics' text (benchmarks and tests do); the exposition
+format is `metrics`, the heartbeats `shared.heartbeat`.
 """
 
 from __future__ import annotations
@@ -57,3 +58,18 @@ class KvMetrics:
     def _all(self) -> list[Counter]:
         return [self.block_bytes, self.capacity_tokens, self.used_tokens, self.store_bytes, self.store_blocks,
                 self.moved_bytes, self.moved_tokens]
+
+
+def parse_kv_samples(text: str) -> dict[str, float]:
+    """The `tsukimi_kv_*` samples of a /metrics page, keyed by `name{labels}`."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("tsukimi_kv_"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def total_for_role(samples: dict[str, float], name: str, role: str) -> float:
+    """The sum of series `name` over the instances of one role."""
+    return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'role="{role}"' in k)

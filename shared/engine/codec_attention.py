@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
 from shared.engine.batching import ScheduledChunk
-from shared.engine.codec_decode import FusedDecode
+from shared.engine.codec_decode import DecodeBatch, FusedDecode
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import LayerCallback
 from shared.model.llama import RotaryEmbedding, apply_rotary
@@ -113,6 +113,13 @@ class CodecAttention:
         self.pool, self.layout, self.scale, self.rotary = pool, layout, scale, rotary
         self.after_layer, self.before_layer = after_layer, before_layer
         self.fused, self.backend = fused, backend  # with `fused`, decode tokens go through the fused kernel
+        self.decodes: tuple[torch.Tensor, DecodeBatch] | None = None  # their query rows and kernel batch
+        decodes = [view for view in layout.chunks if view.num_tokens == 1]
+        if fused is not None and decodes:
+            device = pool.tails.device
+            rows = torch.tensor([view.first_query for view in decodes], dtype=torch.long, device=device)
+            batch = fused.batch([(view.packed_ids, view.first_row, view.context_len) for view in decodes], device)
+            self.decodes = (rows, batch)
         longest = max(view.context_len for view in layout.chunks)
         self.cos, self.sin = rotary.cos_sin(torch.arange(longest, device=pool.tails.device), pool.dtype)
 
@@ -127,15 +134,11 @@ class CodecAttention:
             self.after_layer(layer_idx)
         out = torch.empty_like(q)
         views = self.layout.chunks
-        if self.fused is not None:
-            decodes = [view for view in views if view.num_tokens == 1]
-            if decodes:
-                decode_rows = torch.tensor([view.first_query for view in decodes], dtype=torch.long, device=q.device)
-                out[decode_rows] = self.fused.attend(
-                    layer_idx, q[decode_rows], staged_k, staged_v,
-                    [(view.packed_ids, view.first_row, view.context_len) for view in decodes],
-                    self.cos, self.sin, self.scale, self.backend,
-                )
+        if self.fused is not None and self.decodes is not None:
+            decode_rows, batch = self.decodes
+            out[decode_rows] = self.fused.attend(
+                layer_idx, q[decode_rows], staged_k, staged_v, batch, self.cos, self.sin, self.scale, self.backend
+            )
             views = [view for view in views if view.num_tokens > 1]
         packed_ids = [i for view in views for i in view.packed_ids]
         first = [j == 0 for view in views for j in range(len(view.packed_ids))]

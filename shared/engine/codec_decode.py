@@ -8,6 +8,8 @@ Owns the per-layer kernel parameters of a pool and the gathering of the kernels'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.backend import KernelBackend
@@ -19,6 +21,19 @@ from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A step's decode tokens as the decode kernel takes them, built once per step (`FusedDecode.batch`)."""
+
+    tables: torch.Tensor  # int32 [batch, max packed blocks]
+    num_packed: torch.Tensor  # int32 [batch]
+    tail_lens: torch.Tensor  # int32 [batch]: tokens after the packed blocks (the staged row's)
+    first_ids: torch.Tensor  # int64 [batch]: block 0's id, whose sink row the kernel reads (0 when none is packed)
+    rows: list[int]  # each token's staged row
+    packed_counts: list[int]
+    tail_counts: list[int]
+
+
 class FusedDecode:
     """Per-layer `KvQuantLayerParams` of a kvquant pool, built once; `encode` packs full blocks (it becomes the
     pool's encoder), `attend` runs a step's decode tokens.
@@ -27,8 +42,13 @@ class FusedDecode:
         ValueError: the pool's codec is not kvquant, or its shape is one the kernel does not handle.
     """
 
+    @staticmethod
+    def supports(pool: object) -> bool:
+        """Whether `pool` is a codec pool the kernels read (every layer's codec a kvquant one)."""
+        return isinstance(pool, CodecKvPool) and all(isinstance(codec, KvQuantCodec) for codec in pool.codecs)
+
     def __init__(self, pool: CodecKvPool, rotary: RotaryEmbedding) -> None:
-        if not all(isinstance(codec, KvQuantCodec) for codec in pool.codecs):
+        if not self.supports(pool):
             raise ValueError("the fused decode kernel reads kvquant pools only")
         self.pool = pool
         device = pool.packed.device
@@ -50,36 +70,43 @@ class FusedDecode:
         sink = torch.stack([k[:, :, 0], v[:, :, 0]], dim=1).to(torch.float16)  # [B, 2, H, D]: K then V
         return rows, sink.contiguous().view(k.shape[0], -1).view(torch.uint8)
 
-    def attend(
-        self, layer_idx: int, q: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
-        views: list[tuple[list[int], int, int]], cos: torch.Tensor, sin: torch.Tensor, scale: float,
-        backend: KernelBackend,
-    ) -> torch.Tensor:
-        """q [batch, heads, D] of decode tokens; views: (packed block ids, staged row, context length) each;
-        staged K (before RoPE) and V [rows, T, kv_heads, D]; cos, sin [positions, 1, D] as the model builds them.
-        Returns [batch, heads, D]."""
-        pool, device = self.pool, q.device
-        size, heads, dim = pool.block_size, pool.kv_heads, pool.head_dim
-        batch = len(views)
+    def batch(self, views: list[tuple[list[int], int, int]], device: torch.device) -> DecodeBatch:
+        """A step's decode tokens, each (packed block ids, staged row, context length), as the kernel indexes them
+        (the same for every layer of the step)."""
+        size = self.pool.block_size
         width = max(1, max(len(ids) for ids, _, _ in views))
-        tables = torch.zeros(batch, width, dtype=torch.int32)
-        tail_k = torch.zeros(batch, heads, size, dim, dtype=q.dtype, device=device)
-        tail_v = torch.zeros_like(tail_k)
-        num_packed, tail_lens, first_ids = [], [], []
-        for b, (ids, row, context_len) in enumerate(views):
+        tables = torch.zeros(len(views), width, dtype=torch.int32)
+        for b, (ids, _, _) in enumerate(views):
             tables[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            start, length = len(ids) * size, context_len - len(ids) * size
-            keys = apply_rotary(staged_k[row, :length], cos[start:context_len], sin[start:context_len])
+        num_packed = [len(ids) for ids, _, _ in views]
+        tail_lens = [context_len - len(ids) * size for ids, _, context_len in views]
+
+        def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return DecodeBatch(
+            tables.to(device), tensor(num_packed, torch.int32), tensor(tail_lens, torch.int32),
+            tensor([ids[0] if ids else 0 for ids, _, _ in views], torch.long), [row for _, row, _ in views],
+            num_packed, tail_lens,
+        )
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor, batch: DecodeBatch,
+        cos: torch.Tensor, sin: torch.Tensor, scale: float, backend: KernelBackend,
+    ) -> torch.Tensor:
+        """q [batch, heads, D] of the batch's decode tokens; staged K (before RoPE) and V [rows, T, kv_heads, D];
+        cos, sin [positions, 1, D] as the model builds them. Returns [batch, heads, D]."""
+        pool = self.pool
+        size, heads, dim = pool.block_size, pool.kv_heads, pool.head_dim
+        tail_k = torch.zeros(len(batch.rows), heads, size, dim, dtype=q.dtype, device=q.device)
+        tail_v = torch.zeros_like(tail_k)
+        for b, (row, packed, length) in enumerate(zip(batch.rows, batch.packed_counts, batch.tail_counts, strict=True)):
+            start = packed * size
+            keys = apply_rotary(staged_k[row, :length], cos[start : start + length], sin[start : start + length])
             tail_k[b, :, :length] = keys.transpose(0, 1).to(q.dtype)
             tail_v[b, :, :length] = staged_v[row, :length].transpose(0, 1).to(q.dtype)
-            num_packed.append(len(ids))
-            tail_lens.append(length)
-            first_ids.append(ids[0] if ids else 0)
-        sinks = pool.sinks[layer_idx].index_select(0, torch.tensor(first_ids, dtype=torch.long, device=device))
-        sink = sinks.contiguous().view(torch.float16).view(batch, 2, heads, dim)
+        sink = pool.sinks[layer_idx].index_select(0, batch.first_ids).view(torch.float16).view(-1, 2, heads, dim)
         return kvquant_decode_attention(
-            q.contiguous(), pool.packed[layer_idx], tables.to(device),
-            torch.tensor(num_packed, dtype=torch.int32, device=device), tail_k, tail_v,
-            torch.tensor(tail_lens, dtype=torch.int32, device=device), sink[:, 0], sink[:, 1],
-            self.params[layer_idx], scale, backend,
+            q.contiguous(), pool.packed[layer_idx], batch.tables, batch.num_packed, tail_k, tail_v, batch.tail_lens,
+            sink[:, 0], sink[:, 1], self.params[layer_idx], scale, backend,
         )

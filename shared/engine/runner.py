@@ -64,8 +64,8 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs  # a codec pool may allow fewer (one tail per sequence)
         self.pool: KVPool | CodecKvPool = self._make_pool(checkpoint.config, config, checkpoint.path.name)
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
-        # kvquant pools decode through the fused kernel on the Triton backend (other codecs: dequantize, attend)
-        is_fused = self.backend is KernelBackend.TRITON and config.kv_codec.startswith("kvquant")
+        # kvquant pools pack and decode through the Triton kernels on that backend (other codecs: dequantize, attend)
+        is_fused = self.backend is KernelBackend.TRITON and FusedDecode.supports(self.pool)
         self.fused_decode = FusedDecode(self.pool, self.model.rotary) if is_fused else None  # type: ignore[arg-type]
         self.scale = checkpoint.config.head_dim**-0.5
         self.sampler = Sampler()

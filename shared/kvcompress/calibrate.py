@@ -189,7 +189,6 @@ def calibrate(
     Raises:
         ValueError: too few tokens for the windows asked for.
     """
-    torch.manual_seed(settings.seed)
     windows = pick_windows(tokens, settings)
     model = build_model(checkpoint.config, checkpoint.state_dict, torch.float32, torch.device("cpu"),
                         pack_weights=False)

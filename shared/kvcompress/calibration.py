@@ -14,7 +14,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-FORMAT = "tsukimi-kv-calibration/1"
+FORMAT = "tsukimi-kv-calibration/2"
+# All metadata sits under this one key, as sorted JSON: safetensors writes metadata keys in no fixed order, and the
+# file's digest is part of the block-hash namespace, so equal calibrations must be equal bytes.
+_METADATA_KEY = "tsukimi"
 _TENSORS = ("key_center", "key_scale", "key_codebook", "value_codebook")
 
 
@@ -74,14 +77,12 @@ class KvCalibration:
             )
 
     def save(self, path: str | Path) -> None:
-        """Write the calibration as a safetensors file (tensors fp32, the rest as JSON metadata)."""
+        """Write the calibration as a safetensors file (tensors fp32, the rest as JSON metadata); equal calibrations
+        give equal bytes."""
         tensors = {name: getattr(self, name).float().contiguous() for name in _TENSORS}
-        metadata = {
-            "format": FORMAT, "bits": str(self.bits), "outlier_fraction": repr(self.outlier_fraction),
-            "info": json.dumps(self.info, sort_keys=True),
-        }
+        fields = {"format": FORMAT, "bits": self.bits, "outlier_fraction": self.outlier_fraction, "info": self.info}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=metadata)
+        save_file(tensors, str(path), metadata={_METADATA_KEY: json.dumps(fields, sort_keys=True)})
 
 
 def load_calibration(path: str | Path) -> KvCalibration:
@@ -98,11 +99,12 @@ def load_calibration(path: str | Path) -> KvCalibration:
         with open(path, "rb") as handle:
             header_len = int.from_bytes(handle.read(8), "little")
             metadata = json.loads(handle.read(header_len)).get("__metadata__", {})
+        fields = json.loads(metadata.get(_METADATA_KEY, "{}"))
     except (SafetensorError, ValueError, OSError) as exc:
         raise KvCalibrationError(f"{path} is not a readable safetensors file: {exc}") from None
-    if metadata.get("format") != FORMAT or any(name not in tensors for name in _TENSORS):
+    if fields.get("format") != FORMAT or any(name not in tensors for name in _TENSORS):
         raise KvCalibrationError(f"{path} is not a tsukimi KV calibration (format {FORMAT})")
     return KvCalibration(
-        bits=int(metadata["bits"]), outlier_fraction=float(metadata["outlier_fraction"]),
-        info=json.loads(metadata.get("info", "{}")), **{name: tensors[name] for name in _TENSORS},
+        bits=int(fields["bits"]), outlier_fraction=float(fields["outlier_fraction"]), info=fields.get("info", {}),
+        **{name: tensors[name] for name in _TENSORS},
     )

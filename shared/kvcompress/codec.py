@@ -12,9 +12,7 @@ import numpy as np
 import torch
 
 # Little-endian numpy dtypes of the tensors codecs write; numpy makes the byte order explicit on any host.
-_WIRE_DTYPES: dict[torch.dtype, str] = {
-    torch.float16: "<f2", torch.uint8: "u1", torch.int8: "i1", torch.uint16: "<u2",
-}
+_WIRE_DTYPES: dict[torch.dtype, str] = {torch.float16: "<f2", torch.uint8: "u1", torch.int8: "i1"}
 
 
 class KvCodecError(ValueError):
@@ -96,7 +94,7 @@ def check_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
 
 
 def to_bytes(*tensors: torch.Tensor) -> bytes:
-    """The tensors (fp16, uint8, int8 or uint16), each flattened row-major, concatenated as little-endian bytes."""
+    """The tensors (fp16, uint8 or int8), each flattened row-major, concatenated as little-endian bytes."""
     parts = []
     for tensor in tensors:
         array = tensor.detach().contiguous().cpu().numpy()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kvcompress.bitpack import pack_codes, packed_num_bytes, unpack_codes
-from shared.kvcompress.codec import KvCodec, check_dims, check_kv, split_bytes, to_bytes
+from shared.kvcompress.codec import KvCodec, KvCodecError, check_dims, check_kv
 from shared.kvcompress.quantize import fp16_round_up
 
 KVQUANT_BITS = (2, 3, 4)
@@ -80,45 +80,32 @@ class KvQuantCodec(KvCodec):
     # --- the KvCodec byte interface (one block) -------------------------------------------------------------------
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> bytes:
-        """`k` is the block's keys before RoPE."""
+        """`k` is the block's keys before RoPE. The bytes are `to_rows`' row, then the sink when there is one."""
         kv_heads, num_tokens, head_dim = check_kv(k, v)
         self._check_shape(kv_heads, num_tokens, head_dim)
-        p = self.encode_blocks(k.unsqueeze(0), v.unsqueeze(0), starts_sequence=starts_sequence)
-        sections = [p.k_codes, p.v_codes, p.v_center, p.v_scale, p.k_outlier_index.to(torch.uint16),
-                    p.k_outlier_value, p.v_outlier_index.to(torch.uint16), p.v_outlier_value]
-        if p.k_sink is not None and p.v_sink is not None:
-            sections += [p.k_sink, p.v_sink]
-        return to_bytes(*sections)
+        rows, sinks = self.to_rows(self.encode_blocks(k.unsqueeze(0), v.unsqueeze(0), starts_sequence=starts_sequence))
+        data = rows[0].cpu().numpy().tobytes()
+        return data if sinks is None else data + sinks[0].cpu().numpy().tobytes()
 
     def decode(
         self, data: bytes, kv_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, *,
         starts_sequence: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K (before RoPE) and V of one block."""
-        self._check_shape(kv_heads, num_tokens, head_dim)
-        packed = packed_num_bytes(kv_heads * num_tokens * head_dim, self.bits)
-        n = self.outliers_per_head(num_tokens, head_dim)
-        sections = [(torch.uint8, packed), (torch.uint8, packed), (torch.float16, num_tokens),
-                    (torch.float16, num_tokens), (torch.uint16, kv_heads * n), (torch.float16, kv_heads * n),
-                    (torch.uint16, kv_heads * n), (torch.float16, kv_heads * n)]
-        if starts_sequence:
-            sections += [(torch.float16, kv_heads * head_dim)] * 2
-        parts = split_bytes(self, data, sections)
-        outliers = [t.to(torch.int64) if t.dtype == torch.uint16 else t for t in parts[4:8]]
-        blocks = PackedBlocks(
-            *(t.unsqueeze(0) for t in parts[:4]), *(t.view(1, kv_heads, n) for t in outliers),
-            *(t.view(1, kv_heads, head_dim) for t in parts[8:]),
-        )
+        expected = self.num_bytes(kv_heads, num_tokens, head_dim, starts_sequence=starts_sequence)
+        if len(data) != expected:
+            raise KvCodecError(f"{self.name} buffer holds {len(data)} bytes, the shape needs exactly {expected}")
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        row_bytes = self.num_bytes(kv_heads, num_tokens, head_dim)
+        sinks = buffer[row_bytes:].view(1, -1) if starts_sequence else None
+        blocks = self.from_rows(buffer[:row_bytes].view(1, -1), sinks, kv_heads, num_tokens, head_dim)
         k, v = self.decode_blocks(blocks, kv_heads, num_tokens, head_dim)
         return k[0].to(dtype), v[0].to(dtype)
 
     def num_bytes(self, kv_heads: int, num_tokens: int, head_dim: int, *, starts_sequence: bool = False) -> int:
         self._check_shape(kv_heads, num_tokens, head_dim)
-        codes = 2 * packed_num_bytes(kv_heads * num_tokens * head_dim, self.bits)
-        value_meta = 2 * 2 * num_tokens
-        outliers = 2 * kv_heads * self.outliers_per_head(num_tokens, head_dim) * (2 + 2)
-        sink = 2 * 2 * kv_heads * head_dim if starts_sequence else 0
-        return codes + value_meta + outliers + sink
+        row = sum(size for _, size in self.section_sizes(kv_heads, num_tokens, head_dim))
+        return row + (2 * 2 * kv_heads * head_dim if starts_sequence else 0)  # the sink: K and V of one token, fp16
 
     def outliers_per_head(self, num_tokens: int, head_dim: int) -> int:
         """Sparse outliers kept per KV head in a block of K or of V."""

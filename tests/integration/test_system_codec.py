@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from services.gateway.kv_metrics import parse_kv_samples, total_for_role
 from tests.integration.system_fixture import System, start_system, stop_system
 
 pytestmark = pytest.mark.slow
@@ -29,16 +30,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
 def _metrics(system: System) -> dict[str, float]:
     status, text = system.get("/metrics")
     assert status == 200
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("tsukimi_kv_"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples
-
-
-def _sum(samples: dict[str, float], name: str, role: str) -> float:
-    return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'role="{role}"' in k)
+    return parse_kv_samples(text)
 
 
 def test_answers_reuse_cached_blocks_and_metrics_show_the_codec(system: System) -> None:
@@ -57,13 +49,13 @@ def test_answers_reuse_cached_blocks_and_metrics_show_the_codec(system: System) 
     samples = _metrics(system)
     formats = {k for k in samples if k.startswith("tsukimi_kv_block_bytes{")}
     assert formats and all('format="kvquant-3:' in k for k in formats)
-    moved_tokens = _sum(samples, "tsukimi_kv_moved_tokens_total", "decode")
+    moved_tokens = total_for_role(samples, "tsukimi_kv_moved_tokens_total", "decode")
     assert moved_tokens >= 2 * prompt_tokens
     # Whole blocks travel as kvquant-3 bytes (about 3.4 bits per element), only the partial last block in fp32.
-    assert _sum(samples, "tsukimi_kv_moved_bytes_total", "decode") / moved_tokens < FP32_TOKEN_BYTES / 3
-    stored_blocks = _sum(samples, "tsukimi_kv_store_dram_blocks", "cache-store")
+    assert total_for_role(samples, "tsukimi_kv_moved_bytes_total", "decode") / moved_tokens < FP32_TOKEN_BYTES / 3
+    stored_blocks = total_for_role(samples, "tsukimi_kv_store_dram_blocks", "cache-store")
     assert stored_blocks >= prompt_tokens // 64
-    per_block = _sum(samples, "tsukimi_kv_store_dram_bytes", "cache-store") / stored_blocks
+    per_block = total_for_role(samples, "tsukimi_kv_store_dram_bytes", "cache-store") / stored_blocks
     assert per_block < 64 * FP32_TOKEN_BYTES / 8
-    decode_capacity = _sum(samples, "tsukimi_kv_capacity_tokens", "decode") / 2
+    decode_capacity = total_for_role(samples, "tsukimi_kv_capacity_tokens", "decode") / 2
     assert decode_capacity > 8 * (64 << 20) // FP32_TOKEN_BYTES * 0.5  # far more than a raw fp32 pool's 1.4k

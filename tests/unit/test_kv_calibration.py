@@ -80,6 +80,10 @@ def test_calibration_file_round_trip_and_errors(tmp_path: Path) -> None:
     assert loaded.bits == 2 and loaded.info == {"model": "m", "tokens": 7}
     assert torch.equal(loaded.key_center, original.key_center)
     assert torch.equal(loaded.value_codebook, original.value_codebook)
+    again = tmp_path / "again.safetensors"
+    for _ in range(3):  # equal calibrations, equal bytes: the file's digest is part of the block-hash namespace
+        original.save(again)
+        assert again.read_bytes() == path.read_bytes()
     with pytest.raises(KvCalibrationError, match="does not exist"):
         load_calibration(tmp_path / "missing.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
