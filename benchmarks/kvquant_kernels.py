@@ -4,11 +4,12 @@ PyTorch SDPA over a contiguous fp16 cache, measured in the same run, and the qua
 Not a test. Usage (from the repository root; needs only torch, triton, numpy and this repository):
     python -m benchmarks.kvquant_kernels [--bits 2 3 4] [--batch 8 32] [--context 4096 8192 16384 32768]
                                          [--iters 20] [--json PATH]
-Shapes are LLaMA-7B-like: 32 query heads, 32 KV heads, head dim 128; block size 64, 1% outliers. A context of N
-tokens is N / 64 - 1 packed blocks, the sink and a full 64-token fp16 tail. Times are medians of CUDA-graph replays
-(no launch overhead) with L2 flushed before each; bytes read count every byte the kernels load from global memory
-once (the SDPA baseline: q, K and V; kvquant: pool rows, tail, sink, q, block tables, calibration, RoPE rows
-and the split partials), GB/s = bytes / median time, and the fraction is of the H200's HBM bandwidth.
+Shapes are LLaMA-7B-like: 32 query heads, 32 KV heads, head dim 128; block size 64, 1% value outliers (keys have
+none: each block's per-channel range is in its row). A context of N tokens is N / 64 - 1 packed blocks, the sink and a
+full 64-token fp16 tail. Times are medians of CUDA-graph replays (no launch overhead) with L2 flushed before each;
+bytes read count every byte the kernels load from global memory once (the SDPA baseline: q, K and V; kvquant: pool
+rows, tail, sink, q, block tables, the layer's key grids and codebooks, RoPE rows and the split partials), GB/s =
+bytes / median time, and the fraction is of the H200's HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ def random_blocks(num_blocks: int, params: KvQuantLayerParams, seed: int) -> tup
 
 
 def pack_blocks(k: torch.Tensor, v: torch.Tensor, params: KvQuantLayerParams) -> torch.Tensor:
-    k_index, v_index = select_outliers(k, v, params)
-    return kvquant_pack_triton(k, v, k_index, v_index, params)
+    return kvquant_pack_triton(k, v, select_outliers(v, params), params)
 
 
 def kvquant_inputs(params: KvQuantLayerParams, unique_rows: torch.Tensor, batch: int, context: int) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def kvquant_bytes_read(layout: KvQuantLayout, batch: int, context: int, device: 
     rows = batch * num_packed * layout.bytes_per_block
     dense = batch * KV_HEADS * (2 * BLOCK_SIZE + 2) * HEAD_DIM * 2  # tail K and V, sink K and V (fp16)
     q_and_tables = batch * (NUM_HEADS * HEAD_DIM * 2 + num_packed * 4 + 8)
-    calibration = (KV_HEADS * HEAD_DIM + 1) * (1 << layout.bits) * 4  # key_lut, value codebook
+    calibration = 2 * KV_HEADS * HEAD_DIM * 4 + 2 * (1 << layout.bits) * 4  # key grid base and step, codebooks
     rope = (num_packed + BLOCK_SIZE) * HEAD_DIM * 4  # cos and sin rows: each block's base, the in-block offsets
     partials = batch * NUM_HEADS * num_splits * (HEAD_DIM + 2) * 4  # read back by the merge kernel
     return rows + dense + q_and_tables + calibration + rope + partials
@@ -152,7 +152,7 @@ def bench_width(bits: int, contexts: list[int], batches: list[int], iters: int,
     for num_blocks in (32, 512):  # a decode step's appends at batch 32; a 32k-token prompt's blocks
         k, v = random_blocks(num_blocks, params, seed=7)
         pack_us = time_us(lambda k=k, v=v: pack_blocks(k, v, params), iters)
-        print(f"  pack {num_blocks} blocks (outlier top-k + kernel): {pack_us:9.1f} us")
+        print(f"  pack {num_blocks} blocks (value outlier top-k + kernel): {pack_us:9.1f} us")
     records = []
     for batch in batches:
         for context in contexts:

@@ -8,18 +8,20 @@ Design. Flash-decoding: the grid is (sequence, KV head, context split); one prog
 head (GQA rows, padded to 16 for tl.dot) and runs an online softmax (base 2) over its share of the sequence's units
 (each packed block is a unit, the fp16 tail one more; the sink goes to the split holding block 0); a small second
 kernel merges the splits' (max, sum, unnormalised output). Per packed block it reads only that row's bytes:
-- Codes are read as whole lcm(b, 8)-bit groups and looked up in the groups' own layout (keys in `key_lut`, which is
-  codebook * scale + centre per channel; values in the bare codebook), then interleaved back with tl.join.
+- Codes are read as whole lcm(b, 8)-bit groups and looked up in the bare codebooks in the groups' own layout, then
+  interleaved back with tl.join. A key is codebook * half-range + centre of its channel's range in the block, which
+  the block's K low and K high bytes place on the channel's grid: one load of 2 * D bytes per block and KV head (the
+  grid's base and step, [D] fp32 each, are loaded once per program).
 - RoPE without a [T, D/2] table read per block: R(p0 + t) = R(p0) R(t), so the query is turned back by the block's
   base angle (one cos/sin row) and the keys rotated by the in-block offsets t < T, whose table rows stay in
   registers across blocks. (cos(a + b) by angle addition differs from the table's cos((p0 + t) theta) by the fp32
   rounding of the angle, about 1e-7 * position radians.)
 - V: the per-token range is folded into the probabilities, p * V = (p * half-range) @ codebook[codes] +
   (p . centre).
-- Outliers (n = ceil(1% * T * D) per head): their effect is applied where it lands rather than scattered into the
-  dense tile (a [n, T * D] one-hot): a key correction c at (t, d) adds c * (q . R(p0 + t) e_d) to score t, a value
-  correction adds p[t] * c to out[d], through [32, T] and [32, D] one-hots fed to tl.dot, 32 outliers at a time.
-  O(n * (T + D)) per block, no second pass over memory and no atomics, so the result is deterministic.
+- Keys have no sparse outliers (the per-block range takes their place). Value outliers (n = ceil(1% * T * D) per
+  head): their effect is applied where it lands rather than scattered into the dense tile (a [n, T * D] one-hot): a
+  correction c at (t, d) adds p[t] * c to out[d], through [32, T] and [32, D] one-hots fed to tl.dot, 32 outliers at
+  a time. O(n * (T + D)) per block, no second pass over memory and no atomics, so the result is deterministic.
 - 8 warps at T * D = 8192 (about 250 registers a thread, one program per SM), so the next AHEAD blocks' bytes are
   requested with PTX prefetches (on the GPU only) instead of Triton's software pipelining, which would also stage
   the codebook gathers in shared memory.
@@ -52,22 +54,6 @@ def _dot(a, b, like_ptr, DOT_F32: tl.constexpr):
         return tl.dot(a.to(like_ptr.dtype.element_ty), b.to(like_ptr.dtype.element_ty))
 
 
-def _key_outlier_scores(q_rows_ptr, row_ok, qk_scale, cos_ptr, sin_ptr, p0, tok, dim, corr, like_ptr,
-                        T: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
-    # [M, T]: corr * q . R(p0 + t) e_d for each key outlier (t, d), summed per token t.
-    half: tl.constexpr = D // 2
-    j = dim % half
-    c0, s0 = tl.load(cos_ptr + p0 * half + j), tl.load(sin_ptr + p0 * half + j)
-    ct, st = tl.load(cos_ptr + tok * half + j), tl.load(sin_ptr + tok * half + j)
-    cos_p, sin_p = c0 * ct - s0 * st, s0 * ct + c0 * st  # the same angle addition as the dense keys
-    q_first = tl.load(q_rows_ptr + j[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-    q_second = tl.load(q_rows_ptr + half + j[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-    gain = tl.where((dim < half)[None, :], q_first * cos_p[None, :] + q_second * sin_p[None, :],
-                    q_second * cos_p[None, :] - q_first * sin_p[None, :])  # [M, CHUNK]
-    one_hot = tok[:, None] == tl.arange(0, T)[None, :]  # [CHUNK, T]
-    return _dot(gain * corr[None, :], one_hot, like_ptr, DOT_F32)
-
-
 def _value_outlier_output(p, tok, dim, corr, like_ptr, T: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
     # [M, D]: p[t] * corr added at channel d for each value outlier (t, d)
     p_at = _dot(p, tl.arange(0, T)[:, None] == tok[None, :], like_ptr, DOT_F32)  # [M, CHUNK]
@@ -83,10 +69,9 @@ def _softmax_step(m_i, l_i, scores):
 
 
 def _packed_scores(
-    q1, q2, cos_t, sin_t, q_rows_ptr, row_ok, qk_scale, row_ptr, row16_ptr, blk, kv_head, key_lut_ptr, cos_ptr,
-    sin_ptr, num_outliers, k_index_offset, k_corr_offset, like_ptr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_OUTLIERS: tl.constexpr, DOT_F32: tl.constexpr,
+    q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_cb_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
+    k_low_offset, k_high_offset, like_ptr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # [M, T]: q . R(p0 + t) k_t for the block at positions p0 = blk * T onwards; block 0's token 0 (the sink) masked
     half_dims = tl.arange(0, D // 2)
@@ -94,16 +79,10 @@ def _packed_scores(
     c0 = tl.load(cos_ptr + p0 * (D // 2) + half_dims)[None, :]
     s0 = tl.load(sin_ptr + p0 * (D // 2) + half_dims)[None, :]
     qb1, qb2 = q1 * c0 + q2 * s0, q2 * c0 - q1 * s0  # R(p0)^T q
-    k1 = dense_keys(row_ptr, key_lut_ptr, kv_head, 0, BITS, GROUP, T, D)
-    k2 = dense_keys(row_ptr, key_lut_ptr, kv_head, 1, BITS, GROUP, T, D)
+    k1 = dense_keys(row_ptr, key_cb_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP, T, D)
+    k2 = dense_keys(row_ptr, key_cb_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP, T, D)
     kr1, kr2 = k1 * cos_t - k2 * sin_t, k2 * cos_t + k1 * sin_t  # R(t) k
     scores = _dot(qb1, tl.trans(kr1), like_ptr, DOT_F32) + _dot(qb2, tl.trans(kr2), like_ptr, DOT_F32)
-    if HAS_OUTLIERS:
-        for start in range(0, num_outliers, CHUNK):  # in chunks: one-hots of all n would crowd the registers
-            tok, dim, corr = load_outliers(row16_ptr, k_index_offset, k_corr_offset, kv_head, num_outliers, start,
-                                           D, CHUNK)
-            scores += _key_outlier_scores(q_rows_ptr, row_ok, qk_scale, cos_ptr, sin_ptr, p0, tok, dim, corr,
-                                          like_ptr, T, D, DOT_F32)
     return tl.where((tl.arange(0, T)[None, :] == 0) & (blk == 0), float("-inf"), scores)
 
 
@@ -131,13 +110,14 @@ def _packed_values(
 def _kvquant_decode_kernel(
     part_ptr, stats_ptr, q_ptr, pool_ptr, pool16_ptr, table_ptr, num_packed_ptr,
     tail_k_ptr, tail_v_ptr, tail_lens_ptr, sink_k_ptr, sink_v_ptr,
-    key_lut_ptr, value_cb_ptr, cos_ptr, sin_ptr, qk_scale,
+    key_cb_ptr, grid_base_ptr, grid_step_ptr, value_cb_ptr, cos_ptr, sin_ptr, qk_scale,
     groups, num_outliers, units_per_split, num_splits, row_bytes, stride_table,
     stride_qb, stride_qh, stride_tail_b, stride_tail_h, stride_sink_b, stride_sink_h,
-    v_codes_offset, v_center_offset, v_scale_offset, k_index_offset, k_corr_offset, v_index_offset, v_corr_offset,
+    v_codes_offset, k_low_offset, k_high_offset, v_center_offset, v_scale_offset, v_index_offset, v_corr_offset,
     BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     CHUNK: tl.constexpr, HAS_OUTLIERS: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
-    AHEAD: tl.constexpr, CODE_LINES: tl.constexpr, META_LINES: tl.constexpr, OUTLIER_LINES: tl.constexpr,
+    AHEAD: tl.constexpr, CODE_LINES: tl.constexpr, RANGE_LINES: tl.constexpr, META_LINES: tl.constexpr,
+    OUTLIER_LINES: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, toks, dims, half_dims = tl.arange(0, M_PAD), tl.arange(0, T), tl.arange(0, D), tl.arange(0, D // 2)
@@ -148,6 +128,9 @@ def _kvquant_decode_kernel(
     q2 = tl.load(q_rows_ptr + D // 2 + half_dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     offset_table = toks[:, None] * (D // 2) + half_dims[None, :]
     cos_t, sin_t = tl.load(cos_ptr + offset_table), tl.load(sin_ptr + offset_table)  # [T, D/2]: R(t), t < T
+    grid = kv_head * D + half_dims  # the head's key grids, [D/2] per half, for every block
+    base1, step1 = tl.load(grid_base_ptr + grid), tl.load(grid_step_ptr + grid)
+    base2, step2 = tl.load(grid_base_ptr + D // 2 + grid), tl.load(grid_step_ptr + D // 2 + grid)
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
@@ -166,19 +149,20 @@ def _kvquant_decode_kernel(
         if end > first:
             for ahead in tl.static_range(AHEAD - 1):
                 prefetch_block(table_ptr, tl.minimum(first + ahead, end - 1), pool_ptr, row_bytes, kv_head,
-                               num_outliers, v_codes_offset, v_center_offset, k_index_offset, k_corr_offset,
-                               v_index_offset, v_corr_offset, BITS, T, D, CODE_LINES, META_LINES, OUTLIER_LINES)
+                               num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
+                               v_index_offset, v_corr_offset, BITS, T, D, CODE_LINES, RANGE_LINES, META_LINES,
+                               OUTLIER_LINES)
     for blk in range(first, end):
         if PREFETCH:
             prefetch_block(table_ptr, tl.minimum(blk + AHEAD - 1, end - 1), pool_ptr, row_bytes, kv_head,
-                           num_outliers, v_codes_offset, v_center_offset, k_index_offset, k_corr_offset,
-                           v_index_offset, v_corr_offset, BITS, T, D, CODE_LINES, META_LINES, OUTLIER_LINES)
+                           num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
+                           v_index_offset, v_corr_offset, BITS, T, D, CODE_LINES, RANGE_LINES, META_LINES,
+                           OUTLIER_LINES)
         block_id = tl.load(table_ptr + blk).to(tl.int64)
         row_ptr, row16_ptr = pool_ptr + block_id * row_bytes, pool16_ptr + block_id * (row_bytes // 2)
         scores = _packed_scores(
-            q1, q2, cos_t, sin_t, q_rows_ptr, row_ok, qk_scale, row_ptr, row16_ptr, blk, kv_head, key_lut_ptr,
-            cos_ptr, sin_ptr, num_outliers, k_index_offset, k_corr_offset, tail_k_ptr,
-            BITS, GROUP, T, D, CHUNK, HAS_OUTLIERS, DOT_F32,
+            q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_cb_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
+            k_low_offset, k_high_offset, tail_k_ptr, BITS, GROUP, T, D, DOT_F32,
         )
         m_i, alpha, p, l_i = _softmax_step(m_i, l_i, scores)
         pv = _packed_values(
@@ -223,7 +207,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-_KERNELS = (_dot, _key_outlier_scores, _value_outlier_output, _softmax_step, _packed_scores, _packed_values,
+_KERNELS = (_dot, _value_outlier_output, _softmax_step, _packed_scores, _packed_values,
             _kvquant_decode_kernel, _merge_splits_kernel)
 _ROW_FUNCTIONS = ("load_words", "decode_groups", "dense_keys", "load_outliers", "prefetch_block")
 
@@ -271,7 +255,7 @@ def _check_decode_args(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor
     _require(sink_k.shape == sink_v.shape == (batch, heads, dim) and sink_k.dtype in _FLOAT_DTYPES,
              f"sink_k, sink_v must be float [{batch}, {heads}, {dim}]")
     _require(params.cos.shape[0] >= tokens, f"the RoPE tables must cover at least {tokens} positions")
-    tensors = (q, pool, tables, *counts, *dense, params.key_lut, params.cos)
+    tensors = (q, pool, tables, *counts, *dense, params.key_grid_base, params.cos)
     devices = {t.device for t in tensors}
     _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
 
@@ -282,7 +266,8 @@ def _prefetch_lines_meta(layout: KvQuantLayout) -> dict[str, int]:
         return triton.next_power_of_2(-(-num_bytes // 128) + 1)
 
     head_bytes = layout.block_size * layout.head_dim * layout.bits // 8
-    return {"CODE_LINES": lines(head_bytes), "META_LINES": lines(4 * layout.block_size),
+    return {"CODE_LINES": lines(head_bytes), "RANGE_LINES": lines(layout.head_dim),
+            "META_LINES": lines(4 * layout.block_size),
             "OUTLIER_LINES": lines(2 * max(layout.num_outliers, 1))}
 
 
@@ -331,11 +316,12 @@ def kvquant_decode_attention_triton(
     on_grid(_kvquant_decode_kernel, (batch, layout.kv_heads, num_splits))(
         part, stats, q, packed_pool, packed_pool.view(torch.float16), tables, num_packed_blocks.contiguous(),
         tail_k, tail_v, tail_lens.contiguous(), sink_k, sink_v,
-        params.key_lut, params.value_codebook, params.cos, params.sin, scale * math.log2(math.e),
+        params.key_codebook, params.key_grid_base, params.key_grid_step, params.value_codebook, params.cos, params.sin,
+        scale * math.log2(math.e),
         groups, layout.num_outliers, per_split, num_splits, layout.bytes_per_block, tables.stride(0),
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), sink_k.stride(0), sink_k.stride(1),
-        layout.v_codes_offset, layout.v_center_offset, layout.v_scale_offset, layout.k_index_offset,
-        layout.k_corr_offset, layout.v_index_offset, layout.v_corr_offset,
+        layout.v_codes_offset, layout.k_low_offset, layout.k_high_offset, layout.v_center_offset,
+        layout.v_scale_offset, layout.v_index_offset, layout.v_corr_offset,
         BITS=layout.bits, GROUP=group, T=layout.block_size, D=dim, M_PAD=max(16, triton.next_power_of_2(groups)),
         CHUNK=16 if layout.num_outliers <= 16 else 32, HAS_OUTLIERS=layout.num_outliers > 0,
         DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),

@@ -1,8 +1,9 @@
 """The packed kvquant pool one layer's kernels read and write, and the per-layer parameters they take.
 
-Owns `KvQuantLayout` (where each section of a pool row lies) and `KvQuantLayerParams` (calibration, derived lookup
-tables and RoPE tables on the kernels' device). The byte format itself is `shared.kvcompress.kvquant`'s: a pool row
-is that module's block layout without the sink section, the sink being kept apart by the engine.
+Owns `KvQuantLayout` (where each section of a pool row lies) and `KvQuantLayerParams` (calibration, the key grids and
+codebook midpoints derived from it, and RoPE tables on the kernels' device). The byte format itself is
+`shared.kvcompress.kvquant`'s: a pool row is that module's block layout without the sink section, the sink being kept
+apart by the engine.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from shared.kvcompress.kvquant import KvQuantCodec, section_sizes
+from shared.kvcompress.kvquant import KvQuantCodec, key_grid, section_sizes
 
 
 @dataclass(frozen=True)
@@ -20,16 +21,17 @@ class KvQuantLayout:
     """Where each section of one pool row (one layer of one full block, uint8 [bytes_per_block]) starts, in bytes.
 
     The sections and their sizes are `shared.kvcompress.kvquant.section_sizes`' (the codec's byte layout without the
-    sink): K codes, V codes, V centre and V half-range (fp16 [T]), K outlier index (uint16 [H, n]) and corrections
-    (fp16 [H, n]), the same two for V. Every fp16/uint16 section starts on an even byte, so `pool.view(torch.float16)`
-    and `pool.view(torch.int16)` address them at offset // 2.
+    sink): K codes, V codes, K low and K high (uint8 [H, D]: each key channel's block range as two points of its
+    grid), V centre and V half-range (fp16 [T]), V outlier index (uint16 [H, n]) and corrections (fp16 [H, n]).
+    Keys have no outliers. Every fp16/uint16 section starts on an even byte, so `pool.view(torch.float16)` and
+    `pool.view(torch.int16)` address them at offset // 2.
     """
 
     bits: int
     block_size: int  # T
     kv_heads: int  # H
     head_dim: int  # D
-    num_outliers: int  # n, per KV head in a block of K and of V
+    num_outliers: int  # n value outliers per KV head in a block
 
     @cached_property
     def offsets(self) -> dict[str, int]:
@@ -53,20 +55,20 @@ class KvQuantLayout:
         return self.offsets["v_codes"]
 
     @property
+    def k_low_offset(self) -> int:
+        return self.offsets["k_low"]
+
+    @property
+    def k_high_offset(self) -> int:
+        return self.offsets["k_high"]
+
+    @property
     def v_center_offset(self) -> int:
         return self.offsets["v_center"]
 
     @property
     def v_scale_offset(self) -> int:
         return self.offsets["v_scale"]
-
-    @property
-    def k_index_offset(self) -> int:
-        return self.offsets["k_outlier_index"]
-
-    @property
-    def k_corr_offset(self) -> int:
-        return self.offsets["k_outlier_value"]
 
     @property
     def v_index_offset(self) -> int:
@@ -95,10 +97,11 @@ def check_kernel_layout(layout: KvQuantLayout) -> None:
 class KvQuantLayerParams:
     """What the kvquant kernels take for one layer, on their device.
 
-    key_center, key_scale: fp32 [H, D]; key_codebook, value_codebook: fp32 [2**b] ascending, and their midpoints fp32
-    [2**b - 1] (a code is the number of midpoints below the normalised element); key_lut: fp32 [H, 2**b, D], the
-    dense pre-RoPE key of each code in each channel (codebook * scale + centre, as the codec computes it); cos, sin:
-    fp32 [max_position, D / 2], the model's RoPE tables (`RotaryEmbedding.cos`/`.sin`).
+    key_center, key_scale: fp32 [H, D], the calibration; key_grid_base, key_grid_step: fp32 [H, D], each key
+    channel's grid (point q is base + q * step; `shared.kvcompress.kvquant.key_grid`, the codec's own arithmetic), on
+    which a block's K low and K high bytes place its range; key_codebook, value_codebook: fp32 [2**b] ascending, in
+    units of a range ([-1, 1]), and their midpoints fp32 [2**b - 1] (a code is the number of midpoints below the
+    normalised element); cos, sin: fp32 [max_position, D / 2], the model's RoPE tables (`RotaryEmbedding.cos`/`.sin`).
     """
 
     layout: KvQuantLayout
@@ -109,7 +112,8 @@ class KvQuantLayerParams:
     value_codebook: torch.Tensor
     key_midpoints: torch.Tensor
     value_midpoints: torch.Tensor
-    key_lut: torch.Tensor
+    key_grid_base: torch.Tensor
+    key_grid_step: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -132,10 +136,11 @@ class KvQuantLayerParams:
             raise ValueError(f"{layout.bits}-bit codebooks need {codes} entries")
         if cos.dim() != 2 or cos.shape[1] * 2 != dim or sin.shape != cos.shape:
             raise ValueError(f"cos and sin must be [max_position, {dim // 2}], got {tuple(cos.shape)}")
-        lut = key_cb[None, :, None] * scale[:, None, :] + center[:, None, :]  # [H, 2**b, D]
+        base, step = key_grid(center, scale)
         return cls(
             layout, outlier_fraction, center, scale, key_cb, value_cb, (key_cb[1:] + key_cb[:-1]) / 2,
-            (value_cb[1:] + value_cb[:-1]) / 2, lut.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
+            (value_cb[1:] + value_cb[:-1]) / 2, base.contiguous(), step.contiguous(), cos.float().contiguous(),
+            sin.float().contiguous(),
         )
 
     @classmethod

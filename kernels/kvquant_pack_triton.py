@@ -1,10 +1,12 @@
 """Fused Triton quantize-and-pack of full KV blocks into kvquant pool rows, and its checking launcher.
 
-Bit-identical to `kernels.kvquant_pack.kvquant_pack_ref` (the codec's encode) given the same outliers: the same fp32
-operations in the same order (true division, no fused multiply-add: the kernels launch with enable_fp_fusion=False),
-and dense keys read from `key_lut`, which the codec's own arithmetic filled. Two launches: per (block, token tile)
-the values' per-token range over every head's inliers (it needs all heads); then per (block, KV head) the K and V
-codes, bit-packed, and the outliers' corrections (which need the ranges).
+Bit-identical to `kernels.kvquant_pack.kvquant_pack_ref` (the codec's encode) given the same value outliers: the same
+fp32 operations in the same order (true division, no fused multiply-add: the kernels launch with
+enable_fp_fusion=False), on the key grids `KvQuantLayerParams` computed with the codec's own `key_grid`. Two launches:
+per (block, token tile) the values' per-token range over every head's inliers (it needs all heads); then per (block,
+KV head) its key channels' block range (a first pass over the head's tokens, token 0 left out when the block starts a
+sequence: the sink is kept whole and in no range), then the K and V codes, bit-packed, and the value outliers'
+corrections (which need the value ranges). Keys have no outliers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from kernels.backend import jit_into, on_grid
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
+from shared.kvcompress.kvquant import KEY_GRID_POINTS
 
 triton: Any = None  # bound by _load_triton, as in kernels.paged_attention_triton
 tl: Any = None
@@ -62,18 +65,35 @@ def _value_range_kernel(
     tl.store(row16 + v_scale_offset // 2 + toks, scale)
 
 
-def _key_corrections(row16, k_ptr, index_ptr, center_ptr, scale_ptr, midpoints_ptr, key_lut_ptr, src_base, head,
-                     num_outliers, BITS: tl.constexpr, D: tl.constexpr, N_PAD: tl.constexpr):
-    # One head's key outliers: flat index t * D + d (int32 [N_PAD]) and fp16 correction k - dense key
-    i = tl.arange(0, N_PAD)
-    is_real = i < num_outliers
-    index = tl.load(index_ptr + i, mask=is_real, other=0).to(tl.int32)
-    dim = index % D
-    x = tl.load(k_ptr + src_base + index, mask=is_real, other=0.0).to(tl.float32)
-    norm = tl.math.div_rn(x - tl.load(center_ptr + head * D + dim), tl.load(scale_ptr + head * D + dim))
-    code = _nearest(norm, midpoints_ptr, BITS)
-    dense = tl.load(key_lut_ptr + (head * (1 << BITS) + code) * D + dim)
-    return index, (x - dense).to(tl.float16)
+def _key_range(row, k_ptr, grid_base_ptr, grid_step_ptr, src_base, head, first_token, k_low_offset, k_high_offset,
+               TOP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
+    # One head's key channels over tokens first_token..T-1: the grid points (0..TOP) at or below their minimum and at
+    # or above their maximum, stored as K low and K high (`shared.kvcompress.kvquant._key_range_points`), and the
+    # block centre and half-range [D] fp32 they give (`block_key_range`)
+    dims = tl.arange(0, D)
+    low = tl.full([D], float("inf"), tl.float32)
+    high = tl.full([D], float("-inf"), tl.float32)
+    for start in range(0, T, TILE):
+        toks = start + tl.arange(0, TILE)
+        x = tl.load(k_ptr + src_base + toks[:, None] * D + dims[None, :]).to(tl.float32)
+        is_kept = (toks >= first_token)[:, None]
+        low = tl.minimum(low, tl.min(tl.where(is_kept, x, float("inf")), 0))
+        high = tl.maximum(high, tl.max(tl.where(is_kept, x, float("-inf")), 0))
+    base, step = tl.load(grid_base_ptr + head * D + dims), tl.load(grid_step_ptr + head * D + dims)
+    low_point = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(low - base, step)), 0.0), TOP - 1.0)
+    high_point = tl.minimum(tl.maximum(tl.ceil(tl.math.div_rn(high - base, step)), 0.0), TOP * 1.0)
+    high_point = tl.maximum(high_point, low_point + 1.0)
+    tl.store(row + k_low_offset + head * D + dims, low_point.to(tl.uint8))
+    tl.store(row + k_high_offset + head * D + dims, high_point.to(tl.uint8))
+    low_value, high_value = base + low_point * step, base + high_point * step
+    return (high_value + low_value) * 0.5, (high_value - low_value) * 0.5
+
+
+def _pack_words(code, BITS: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr):
+    # Codes int32 [TILE, D] -> their lcm(BITS, 8)-bit groups int32 [TILE, D / GROUP]: channel w * GROUP + i at bit
+    # BITS * i of group w (disjoint bits, so the sum is their OR)
+    shift = (tl.arange(0, D) % GROUP) * BITS
+    return tl.sum(tl.reshape(code << shift[None, :], [TILE, D // GROUP, GROUP]), 2)
 
 
 def _value_corrections(row16, v_ptr, index_ptr, midpoints_ptr, codebook_ptr, src_base, num_outliers,
@@ -100,49 +120,41 @@ def _store_outliers(row16, index_offset, corr_offset, head, num_outliers, index,
 
 
 def _pack_codes_kernel(
-    rows_ptr, rows16_ptr, k_ptr, v_ptr, k_index_ptr, v_index_ptr,
-    key_center_ptr, key_scale_ptr, key_midpoints_ptr, value_midpoints_ptr, key_lut_ptr, value_codebook_ptr,
-    kv_heads, num_outliers, row_bytes, v_codes_offset, v_center_offset, v_scale_offset,
-    k_index_offset, k_corr_offset, v_index_offset, v_corr_offset,
+    rows_ptr, rows16_ptr, k_ptr, v_ptr, v_index_ptr,
+    grid_base_ptr, grid_step_ptr, key_midpoints_ptr, value_midpoints_ptr, value_codebook_ptr,
+    kv_heads, num_outliers, first_token, row_bytes, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
+    v_scale_offset, v_index_offset, v_corr_offset,
     BITS: tl.constexpr, GROUP: tl.constexpr, WORD_BYTES: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-    TILE: tl.constexpr, N_PAD: tl.constexpr, HAS_OUTLIERS: tl.constexpr,
+    TILE: tl.constexpr, N_PAD: tl.constexpr, HAS_OUTLIERS: tl.constexpr, GRID_TOP: tl.constexpr,
 ):
     block, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     row, row16 = rows_ptr + block * row_bytes, rows16_ptr + block * (row_bytes // 2)
     src_base = (block * kv_heads + head) * T * D  # this (block, head)'s [T, D] in k and v
-    words = tl.arange(0, D // GROUP)
+    k_center, k_half = _key_range(row, k_ptr, grid_base_ptr, grid_step_ptr, src_base, head, first_token,
+                                  k_low_offset, k_high_offset, GRID_TOP, T, D, TILE)
+    dims, words = tl.arange(0, D), tl.arange(0, D // GROUP)
     for start in range(0, T, TILE):
         toks = start + tl.arange(0, TILE)
+        at = src_base + toks[:, None] * D + dims[None, :]
+        k_norm = tl.math.div_rn(tl.load(k_ptr + at).to(tl.float32) - k_center[None, :], k_half[None, :])
+        k_word = _pack_words(_nearest(k_norm, key_midpoints_ptr, BITS), BITS, GROUP, TILE, D)
         v_center = tl.load(row16 + v_center_offset // 2 + toks).to(tl.float32)[:, None]
         v_scale = tl.load(row16 + v_scale_offset // 2 + toks).to(tl.float32)[:, None]
-        k_word = tl.zeros([TILE, D // GROUP], tl.int32)
-        v_word = tl.zeros([TILE, D // GROUP], tl.int32)
-        for i in tl.static_range(GROUP):  # code i of each lcm(BITS, 8)-bit group: channel word * GROUP + i
-            dims = words * GROUP + i
-            at = src_base + toks[:, None] * D + dims[None, :]
-            k_center = tl.load(key_center_ptr + head * D + dims)[None, :]
-            k_norm = tl.math.div_rn(tl.load(k_ptr + at).to(tl.float32) - k_center,
-                                    tl.load(key_scale_ptr + head * D + dims)[None, :])
-            k_word = k_word | (_nearest(k_norm, key_midpoints_ptr, BITS) << (BITS * i))
-            v_norm = tl.math.div_rn(tl.load(v_ptr + at).to(tl.float32) - v_center, v_scale)
-            v_word = v_word | (_nearest(v_norm, value_midpoints_ptr, BITS) << (BITS * i))
+        v_norm = tl.math.div_rn(tl.load(v_ptr + at).to(tl.float32) - v_center, v_scale)
+        v_word = _pack_words(_nearest(v_norm, value_midpoints_ptr, BITS), BITS, GROUP, TILE, D)
         dst = ((head * T + toks[:, None]) * (D // GROUP) + words[None, :]) * WORD_BYTES
         for j in tl.static_range(WORD_BYTES):  # little-endian
             tl.store(row + dst + j, ((k_word >> (8 * j)) & 0xFF).to(tl.uint8))
             tl.store(row + v_codes_offset + dst + j, ((v_word >> (8 * j)) & 0xFF).to(tl.uint8))
     if HAS_OUTLIERS:
-        index_at = (block * kv_heads + head) * num_outliers
-        index, corr = _key_corrections(row16, k_ptr, k_index_ptr + index_at, key_center_ptr, key_scale_ptr,
-                                       key_midpoints_ptr, key_lut_ptr, src_base, head, num_outliers, BITS, D, N_PAD)
-        _store_outliers(row16, k_index_offset, k_corr_offset, head, num_outliers, index, corr, N_PAD)
-        index, corr = _value_corrections(row16, v_ptr, v_index_ptr + index_at, value_midpoints_ptr,
-                                         value_codebook_ptr, src_base, num_outliers, v_center_offset,
-                                         v_scale_offset, BITS, D, N_PAD)
+        index, corr = _value_corrections(row16, v_ptr, v_index_ptr + (block * kv_heads + head) * num_outliers,
+                                         value_midpoints_ptr, value_codebook_ptr, src_base, num_outliers,
+                                         v_center_offset, v_scale_offset, BITS, D, N_PAD)
         _store_outliers(row16, v_index_offset, v_corr_offset, head, num_outliers, index, corr, N_PAD)
 
 
-_KERNELS = (_fp16_round_up, _nearest, _value_range_kernel, _key_corrections, _value_corrections, _store_outliers,
-            _pack_codes_kernel)
+_KERNELS = (_fp16_round_up, _nearest, _value_range_kernel, _key_range, _pack_words, _value_corrections,
+            _store_outliers, _pack_codes_kernel)
 
 
 def _load_triton() -> None:
@@ -163,14 +175,15 @@ def _require(is_ok: bool, message: str) -> None:
 
 
 def kvquant_pack_triton(
-    k: torch.Tensor, v: torch.Tensor, k_outlier_index: torch.Tensor, v_outlier_index: torch.Tensor,
-    params: KvQuantLayerParams,
+    k: torch.Tensor, v: torch.Tensor, v_outlier_index: torch.Tensor, params: KvQuantLayerParams, *,
+    starts_sequence: bool = False,
 ) -> torch.Tensor:
     """Full blocks' k (before RoPE), v [B, H, T, D] -> pool rows uint8 [B, bytes_per_block].
 
     Args:
-        k_outlier_index, v_outlier_index: int [B, H, n], each head's outliers as t * D + d, ascending and distinct
-            (`kernels.kvquant_pack.select_outliers`).
+        v_outlier_index: int [B, H, n], each head's value outliers as t * D + d, ascending and distinct
+            (`kernels.kvquant_pack.select_outliers`, given the same `starts_sequence`).
+        starts_sequence: every block starts a sequence: token 0 (the sink) stays out of the key ranges.
     Not checked (a device sync): indices in range; finite values (the codec would refuse them).
     Raises:
         ValueError: on mismatched shapes, dtypes or devices, or a layout the kernels do not handle.
@@ -184,16 +197,15 @@ def kvquant_pack_triton(
              f"k and v must be float [B, {layout.kv_heads}, {layout.block_size}, {layout.head_dim}], got "
              f"{tuple(k.shape)} and {tuple(v.shape)}")
     index_shape = (k.shape[0], layout.kv_heads, layout.num_outliers)
-    for index in (k_outlier_index, v_outlier_index):
-        _require(index.shape == index_shape and index.dtype in _INDEX_DTYPES,
-                 f"outlier indices must be int {list(index_shape)}, got {index.dtype} {tuple(index.shape)}")
-    devices = {t.device for t in (k, v, k_outlier_index, v_outlier_index, params.key_lut)}
+    _require(v_outlier_index.shape == index_shape and v_outlier_index.dtype in _INDEX_DTYPES,
+             f"value outlier indices must be int {list(index_shape)}, got {v_outlier_index.dtype}"
+             f" {tuple(v_outlier_index.shape)}")
+    devices = {t.device for t in (k, v, v_outlier_index, params.key_grid_base)}
     _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
     rows = torch.empty(k.shape[0], layout.bytes_per_block, dtype=torch.uint8, device=k.device)
     if k.shape[0] == 0:
         return rows
-    k, v = k.contiguous(), v.contiguous()
-    k_index, v_index = k_outlier_index.contiguous(), v_outlier_index.contiguous()
+    k, v, v_index = k.contiguous(), v.contiguous(), v_outlier_index.contiguous()
     is_outlier = torch.zeros(k.shape[0], layout.kv_heads, layout.block_size * layout.head_dim, dtype=torch.uint8,
                              device=k.device).scatter_(2, v_index.long(), 1)  # the values' range skips these
     rows16 = rows.view(torch.float16)
@@ -205,12 +217,13 @@ def kvquant_pack_triton(
     )
     bits = layout.bits
     on_grid(_pack_codes_kernel, (k.shape[0], layout.kv_heads))(
-        rows, rows16, k, v, k_index, v_index, params.key_center, params.key_scale, params.key_midpoints,
-        params.value_midpoints, params.key_lut, params.value_codebook,
-        layout.kv_heads, layout.num_outliers, layout.bytes_per_block, layout.v_codes_offset, layout.v_center_offset,
-        layout.v_scale_offset, layout.k_index_offset, layout.k_corr_offset, layout.v_index_offset,
-        layout.v_corr_offset,
+        rows, rows16, k, v, v_index, params.key_grid_base, params.key_grid_step, params.key_midpoints,
+        params.value_midpoints, params.value_codebook,
+        layout.kv_heads, layout.num_outliers, int(starts_sequence), layout.bytes_per_block, layout.v_codes_offset,
+        layout.k_low_offset, layout.k_high_offset, layout.v_center_offset, layout.v_scale_offset,
+        layout.v_index_offset, layout.v_corr_offset,
         BITS=bits, GROUP=math.lcm(bits, 8) // bits, WORD_BYTES=math.lcm(bits, 8) // 8,
-        N_PAD=max(16, triton.next_power_of_2(layout.num_outliers)), HAS_OUTLIERS=layout.num_outliers > 0, **common,
+        N_PAD=max(16, triton.next_power_of_2(layout.num_outliers)), HAS_OUTLIERS=layout.num_outliers > 0,
+        GRID_TOP=KEY_GRID_POINTS - 1, **common,
     )
     return rows

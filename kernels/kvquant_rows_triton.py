@@ -1,6 +1,6 @@
-"""Triton device functions reading one KV head's share of a kvquant pool row: code groups and their table entries,
-the sparse outliers, cache prefetches. Called by `kernels.kvquant_attention_triton`, which jits them through
-`load_triton`; the row layout is `kernels.kvquant_layout`.
+"""Triton device functions reading one KV head's share of a kvquant pool row: code groups and their codebook entries,
+the block's key channel ranges, the sparse value outliers, cache prefetches. Called by
+`kernels.kvquant_attention_triton`, which jits them through `load_triton`; the row layout is `kernels.kvquant_layout`.
 """
 
 from __future__ import annotations
@@ -47,14 +47,25 @@ def decode_groups(word, table_ptr, BITS: tl.constexpr, GROUP: tl.constexpr, CODE
     return tl.reshape(values, [word.shape[0], word.shape[1] * GROUP])
 
 
-def dense_keys(row_ptr, key_lut_ptr, kv_head, HALF: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-               T: tl.constexpr, D: tl.constexpr):
-    # One half (HALF = 0 or 1) of a head's pre-RoPE keys [T, D / 2], fp32: codes -> codebook * scale + centre
+def key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr, D: tl.constexpr):
+    # One half of a head's key channels in the block: centre and half-range [D / 2], fp32, from the row's K low and
+    # K high grid points and the channels' grid base, step [D / 2] (`shared.kvcompress.kvquant.block_key_range`)
+    at = kv_head * D + HALF * (D // 2) + tl.arange(0, D // 2)
+    low = base + tl.load(row_ptr + k_low_offset + at).to(tl.float32) * step
+    high = base + tl.load(row_ptr + k_high_offset + at).to(tl.float32) * step
+    return (high + low) * 0.5, (high - low) * 0.5
+
+
+def dense_keys(row_ptr, key_cb_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr,
+               BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
+    # One half (HALF = 0 or 1) of a head's pre-RoPE keys [T, D / 2], fp32: codebook[code] * half-range + centre in
+    # each channel, by the block's own range (`key_range`); base, step [D / 2]: that half's grid
     words: tl.constexpr = D // 2 // GROUP
     toks, cols = tl.arange(0, T), tl.arange(0, words)
     word_index = (kv_head * T + toks[:, None]) * (D // GROUP) + HALF * words + cols[None, :]
-    lut = key_lut_ptr + kv_head * (1 << BITS) * D + HALF * (D // 2) + cols[None, :] * GROUP  # code 0, each group
-    return decode_groups(load_words(row_ptr, word_index, BITS), lut, BITS, GROUP, D, 1)
+    units = decode_groups(load_words(row_ptr, word_index, BITS), key_cb_ptr, BITS, GROUP, 1, 0)
+    center, half = key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF, D)
+    return units * half[None, :] + center[None, :]
 
 
 def load_outliers(row16_ptr, index_offset, corr_offset, kv_head, num_outliers, start, D: tl.constexpr,
@@ -77,24 +88,25 @@ def _prefetch_lines(ptr, num_bytes, LINES: tl.constexpr):
                               is_pure=False, pack=1)
 
 
-def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers, v_codes_offset, v_center_offset,
-                   k_index_offset, k_corr_offset, v_index_offset, v_corr_offset, BITS: tl.constexpr,
-                   T: tl.constexpr, D: tl.constexpr, CODE_LINES: tl.constexpr, META_LINES: tl.constexpr,
-                   OUTLIER_LINES: tl.constexpr):
-    # Everything one KV head reads of the sequence's block `index`: its K and V codes, V ranges and outliers
+def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers, v_codes_offset, k_low_offset,
+                   k_high_offset, v_center_offset, v_index_offset, v_corr_offset, BITS: tl.constexpr,
+                   T: tl.constexpr, D: tl.constexpr, CODE_LINES: tl.constexpr, RANGE_LINES: tl.constexpr,
+                   META_LINES: tl.constexpr, OUTLIER_LINES: tl.constexpr):
+    # Everything one KV head reads of the sequence's block `index`: its K and V codes, K and V ranges, V outliers
     row_ptr = pool_ptr + tl.load(table_ptr + index).to(tl.int64) * row_bytes
     head_bytes: tl.constexpr = T * D * BITS // 8
     _prefetch_lines(row_ptr + kv_head * head_bytes, head_bytes, CODE_LINES)
     _prefetch_lines(row_ptr + v_codes_offset + kv_head * head_bytes, head_bytes, CODE_LINES)
+    _prefetch_lines(row_ptr + k_low_offset + kv_head * D, D, RANGE_LINES)
+    _prefetch_lines(row_ptr + k_high_offset + kv_head * D, D, RANGE_LINES)
     _prefetch_lines(row_ptr + v_center_offset, 4 * T, META_LINES)
     outliers = kv_head * num_outliers * 2
-    _prefetch_lines(row_ptr + k_index_offset + outliers, num_outliers * 2, OUTLIER_LINES)
-    _prefetch_lines(row_ptr + k_corr_offset + outliers, num_outliers * 2, OUTLIER_LINES)
     _prefetch_lines(row_ptr + v_index_offset + outliers, num_outliers * 2, OUTLIER_LINES)
     _prefetch_lines(row_ptr + v_corr_offset + outliers, num_outliers * 2, OUTLIER_LINES)
 
 
-_FUNCTIONS = (load_words, _pair, decode_groups, dense_keys, load_outliers, _prefetch_lines, prefetch_block)
+_FUNCTIONS = (load_words, _pair, decode_groups, key_range, dense_keys, load_outliers, _prefetch_lines,
+              prefetch_block)
 
 
 def load_triton() -> None:

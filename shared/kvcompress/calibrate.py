@@ -132,7 +132,8 @@ def collect_activations(
 
 
 def key_ranges(keys: torch.Tensor, outlier_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (head, channel) of [tokens, kv_heads, head_dim]: centre and half-range of the central 1 - f of values."""
+    """Per (head, channel) of [tokens, kv_heads, head_dim]: centre and half-range of the central 1 - f of values
+    (they place the channel's grid of block ranges, `kvquant.key_grid`)."""
     tokens, heads, dim = keys.shape
     flat = keys.reshape(tokens, heads * dim)
     tail = outlier_fraction / 2
@@ -162,14 +163,13 @@ def calibrate_layer(
             if not k.shape[0]:
                 continue
             norm = normalize_blocks(k, v, center, half, n, starts_sequence=first)
-            for name, normalized, rank, fisher in (
-                ("k", norm.k_norm, norm.k_rank, kf), ("v", norm.v_norm, norm.v_rank, vf)
-            ):
-                inlier = ~top_mask(rank, n)
-                if first:
-                    inlier[:, :, 0] = False
-                samples[name].append(normalized[inlier])
-                samples[name + "w"].append(fisher[inlier])
+            dense = torch.ones_like(k, dtype=torch.bool)  # what the codebooks code: all but the sink ...
+            if first:
+                dense[:, :, 0] = False
+            value_dense = dense & ~top_mask(norm.v_rank, n)  # ... and, for values, the sparse outliers
+            for name, normalized, coded, fisher in (("k", norm.k_norm, dense, kf), ("v", norm.v_norm, value_dense, vf)):
+                samples[name].append(normalized[coded])
+                samples[name + "w"].append(fisher[coded])
     codebooks = []
     for name in ("k", "v"):
         values_, weights = torch.cat(samples[name]), torch.cat(samples[name + "w"])

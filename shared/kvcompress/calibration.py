@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-FORMAT = "tsukimi-kv-calibration/2"
+FORMAT = "tsukimi-kv-calibration/3"  # 3: the key centres and half-ranges place grids of block ranges
 # All metadata sits under this one key, as sorted JSON: safetensors writes metadata keys in no fixed order, and the
 # file's digest is part of the block-hash namespace, so equal calibrations must be equal bytes.
 _METADATA_KEY = "tsukimi"
@@ -102,7 +102,13 @@ def load_calibration(path: str | Path) -> KvCalibration:
         fields = json.loads(metadata.get(_METADATA_KEY, "{}"))
     except (SafetensorError, ValueError, OSError) as exc:
         raise KvCalibrationError(f"{path} is not a readable safetensors file: {exc}") from None
-    if fields.get("format") != FORMAT or any(name not in tensors for name in _TENSORS):
+    found = fields.get("format")
+    if isinstance(found, str) and found.startswith(FORMAT.split("/")[0]) and found != FORMAT:
+        raise KvCalibrationError(
+            f"{path} is a {found} calibration, for an older kvquant layout; this tsukimi reads {FORMAT}: recalibrate"
+            " with `tsukimi calibrate kv`"
+        )
+    if found != FORMAT or any(name not in tensors for name in _TENSORS):
         raise KvCalibrationError(f"{path} is not a tsukimi KV calibration (format {FORMAT})")
     return KvCalibration(
         bits=int(fields["bits"]), outlier_fraction=float(fields["outlier_fraction"]), info=fields.get("info", {}),

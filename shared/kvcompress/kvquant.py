@@ -4,21 +4,26 @@ Quantization"): non-uniform, calibrated, dense-and-sparse 2/3/4-bit codes for on
 Owns the kvquant byte layout and its tensor-level encode/decode (batched over blocks, for the engine and the kernels'
 oracle); the calibration it reads is `calibration`, the bit layout `bitpack`.
 
-Keys are coded per channel and *before* RoPE (the caller rotates after decoding): each (head, channel) is mapped by
-the calibrated centre and half-range to [-1, 1] and rounded to the nearest entry of the layer's key codebook. Values
-are coded per token: one fp16 centre and half-range per token, shared by the KV heads (at head dim 64 a per-head pair
-would cost 0.5 bit per value element), then the layer's value codebook. Per head, the ceil(f * tokens * head_dim)
-elements farthest out (|normalised key|; a value's distance from its token's mean in token standard deviations) are
-the sparse outliers: stored as fp16 corrections to their dense decoding at a uint16 index. The first token of a
-sequence (the attention sink) is kept whole in fp16.
+Keys are coded per channel and *before* RoPE (the caller rotates after decoding). Each (head, channel) has a
+calibrated grid of 256 points spanning its centre +- 2 half-ranges; a block stores, per (head, channel), the grid
+points just below and above its keys (uint8 each: 0.25 bit per key element at 64 tokens), and the channel's keys
+are mapped from that block range to [-1, 1] and rounded to the nearest entry of the layer's key codebook. A block
+range follows a channel's level within the block, which a static range cannot (measured on SmolLM2: it beats
+keeping 1% of the keys as sparse outliers at fewer bits, so keys have none). Values are coded per token: one fp16
+centre and half-range per token, shared by the KV heads (at head dim 64 a per-head pair would cost 0.5 bit per value
+element), then the layer's value codebook. Per head, the ceil(f * tokens * head_dim) values farthest from their
+token's mean (in token standard deviations) are the sparse outliers: stored as fp16 corrections to their dense
+decoding at a uint16 index. The first token of a sequence (the attention sink) is kept whole in fp16, outside every
+range.
 
-Layout of one block (H KV heads, T tokens, D head dim, b bits, n = ceil(f * T * D) outliers per head), little-endian:
+Layout of one block (H KV heads, T tokens, D head dim, b bits, n = ceil(f * T * D) value outliers per head),
+little-endian:
   K codes, V codes        b-bit codes of [H, T, D] row-major, packed by `bitpack` (each packed_num_bytes(H*T*D, b))
+  K low, K high           uint8 [H, D] each: the block's grid points per key channel (`key_grid`)
   V centre, V half-range  fp16 [T] each
-  K outlier index, corr.  uint16 [H, n] (t * D + d, ascending per head), fp16 [H, n]
-  V outlier index, corr.  the same for values
+  V outlier index, corr.  uint16 [H, n] (t * D + d, ascending per head), fp16 [H, n]
   sink (first block only) fp16 K [H, D] then V [H, D]: token 0 before RoPE, replacing its dense decoding
-Codebooks and key ranges are per layer, in the calibration file (a few KB per model), not in blocks.
+Codebooks and key grids are per layer, in the calibration file (a few KB per model), not in blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from shared.kvcompress.codec import KvCodec, KvCodecError, check_dims, check_kv
 from shared.kvcompress.quantize import fp16_round_up
 
 KVQUANT_BITS = (2, 3, 4)
+KEY_GRID_POINTS = 256  # per key channel; a block's range is two of them (uint8 each)
+KEY_GRID_SPAN = 2.0  # the grid covers the calibrated centre +- this many calibrated half-ranges
 _MAX_HEAD_ELEMENTS = 1 << 16  # outlier indices are uint16 within one head's [T, D]
 
 
@@ -42,10 +49,10 @@ class PackedBlocks:
 
     k_codes: torch.Tensor  # uint8 [B, packed bytes]
     v_codes: torch.Tensor  # uint8 [B, packed bytes]
+    k_low: torch.Tensor  # uint8 [B, H, D]: grid point at or below each key channel's block minimum
+    k_high: torch.Tensor  # uint8 [B, H, D]: grid point at or above its block maximum
     v_center: torch.Tensor  # fp16 [B, T]
     v_scale: torch.Tensor  # fp16 [B, T]
-    k_outlier_index: torch.Tensor  # int64 [B, H, n]
-    k_outlier_value: torch.Tensor  # fp16 [B, H, n]
     v_outlier_index: torch.Tensor  # int64 [B, H, n]
     v_outlier_value: torch.Tensor  # fp16 [B, H, n]
     k_sink: torch.Tensor | None = None  # fp16 [B, H, D], sequence-starting blocks only
@@ -57,9 +64,10 @@ class KvQuantCodec(KvCodec):
 
     Args:
         bits: 2, 3 or 4.
-        key_center, key_scale: fp32 [kv_heads, head_dim], the calibrated key channel centres and half-ranges.
-        key_codebook, value_codebook: fp32 [2**bits], ascending, in normalised units.
-        outlier_fraction: share of each head's elements kept as sparse fp16 corrections.
+        key_center, key_scale: fp32 [kv_heads, head_dim], the calibrated key channel centres and half-ranges (they
+            place each channel's grid, `key_grid`).
+        key_codebook, value_codebook: fp32 [2**bits], ascending, in normalised units (a block's range is [-1, 1]).
+        outlier_fraction: share of each head's values kept as sparse fp16 corrections.
     Raises:
         ValueError: an unsupported width or codebooks of the wrong size.
     """
@@ -108,7 +116,7 @@ class KvQuantCodec(KvCodec):
         return row + (2 * 2 * kv_heads * head_dim if starts_sequence else 0)  # the sink: K and V of one token, fp16
 
     def outliers_per_head(self, num_tokens: int, head_dim: int) -> int:
-        """Sparse outliers kept per KV head in a block of K or of V."""
+        """Sparse value outliers kept per KV head in a block."""
         return math.ceil(self.outlier_fraction * num_tokens * head_dim - 1e-9)
 
     def _check_shape(self, kv_heads: int, num_tokens: int, head_dim: int) -> None:
@@ -129,8 +137,8 @@ class KvQuantCodec(KvCodec):
 
     def to_rows(self, blocks: PackedBlocks) -> tuple[torch.Tensor, torch.Tensor | None]:
         """uint8 [B, num_bytes()] rows and, for sequence-starting blocks, uint8 [B, sink bytes] (K then V, fp16)."""
-        parts = [blocks.k_codes, blocks.v_codes, _as_bytes(blocks.v_center), _as_bytes(blocks.v_scale),
-                 _as_bytes(blocks.k_outlier_index.to(torch.int32).to(torch.int16)), _as_bytes(blocks.k_outlier_value),
+        parts = [blocks.k_codes, blocks.v_codes, _as_bytes(blocks.k_low), _as_bytes(blocks.k_high),
+                 _as_bytes(blocks.v_center), _as_bytes(blocks.v_scale),
                  _as_bytes(blocks.v_outlier_index.to(torch.int32).to(torch.int16)), _as_bytes(blocks.v_outlier_value)]
         rows = torch.cat(parts, dim=1)
         if blocks.k_sink is None or blocks.v_sink is None:
@@ -144,14 +152,12 @@ class KvQuantCodec(KvCodec):
         sizes = self.section_sizes(kv_heads, num_tokens, head_dim)
         batch, n = rows.shape[0], self.outliers_per_head(num_tokens, head_dim)
         cut = dict(zip((name for name, _ in sizes), rows.split([size for _, size in sizes], dim=1), strict=True))
-        fp16 = {name: cut[name].contiguous().view(torch.float16) for name in
-                ("v_center", "v_scale", "k_outlier_value", "v_outlier_value")}
-        index = {name: cut[name].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF for name in
-                 ("k_outlier_index", "v_outlier_index")}
+        fp16 = {name: cut[name].contiguous().view(torch.float16) for name in ("v_center", "v_scale", "v_outlier_value")}
         blocks = PackedBlocks(
-            cut["k_codes"], cut["v_codes"], fp16["v_center"], fp16["v_scale"],
-            index["k_outlier_index"].view(batch, kv_heads, n), fp16["k_outlier_value"].view(batch, kv_heads, n),
-            index["v_outlier_index"].view(batch, kv_heads, n), fp16["v_outlier_value"].view(batch, kv_heads, n),
+            cut["k_codes"], cut["v_codes"], cut["k_low"].reshape(batch, kv_heads, head_dim),
+            cut["k_high"].reshape(batch, kv_heads, head_dim), fp16["v_center"], fp16["v_scale"],
+            (cut["v_outlier_index"].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF).view(batch, kv_heads, n),
+            fp16["v_outlier_value"].view(batch, kv_heads, n),
         )
         if sinks is not None:
             sink = sinks.contiguous().view(torch.float16).view(batch, 2, kv_heads, head_dim)
@@ -162,25 +168,19 @@ class KvQuantCodec(KvCodec):
 
     def encode_blocks(self, k: torch.Tensor, v: torch.Tensor, *, starts_sequence: bool = False) -> PackedBlocks:
         """k (before RoPE), v: [B, H, T, D] -> the B blocks' sections; `starts_sequence` applies to every block."""
-        batch, heads, tokens, dim = k.shape
-        n = self.outliers_per_head(tokens, dim)
+        n = self.outliers_per_head(k.shape[2], k.shape[3])
         k32, v32 = k.float(), v.float()
         device = k.device
         norm = normalize_blocks(k32, v32, self.key_center, self.key_scale, n, starts_sequence)
         k_codes = _nearest(norm.k_norm, self.key_codebook.to(device))
         v_codes = _nearest(norm.v_norm, self.value_codebook.to(device))
-        center, scale = self.key_center.to(device)[:, None, :], self.key_scale.to(device)[:, None, :]
-        k_dense = self.key_codebook.to(device)[k_codes.long()] * scale + center
         v_center, v_scale = norm.v_center, norm.v_scale
         v_dense = self.value_codebook.to(device)[v_codes.long()] * v_scale.float()[:, None, :, None] \
             + v_center.float()[:, None, :, None]
-        k_rank, v_rank = norm.k_rank, norm.v_rank
-        k_index, k_corr = _outliers(k_rank, k32 - k_dense, n)
-        v_index, v_corr = _outliers(v_rank, v32 - v_dense, n)
+        v_index, v_corr = _outliers(norm.v_rank, v32 - v_dense, n)
         packed = PackedBlocks(
-            k_codes=pack_rows(k_codes, self.bits), v_codes=pack_rows(v_codes, self.bits),
-            v_center=v_center, v_scale=v_scale, k_outlier_index=k_index, k_outlier_value=k_corr,
-            v_outlier_index=v_index, v_outlier_value=v_corr,
+            k_codes=pack_rows(k_codes, self.bits), v_codes=pack_rows(v_codes, self.bits), k_low=norm.k_low,
+            k_high=norm.k_high, v_center=v_center, v_scale=v_scale, v_outlier_index=v_index, v_outlier_value=v_corr,
         )
         if starts_sequence:
             packed.k_sink, packed.v_sink = k[:, :, 0].to(torch.float16), v[:, :, 0].to(torch.float16)
@@ -196,25 +196,42 @@ class KvQuantCodec(KvCodec):
         device = blocks.k_codes.device
         k_codes = unpack_rows(blocks.k_codes, count, self.bits).reshape(shape).long()
         v_codes = unpack_rows(blocks.v_codes, count, self.bits).reshape(shape).long()
-        center, scale = self.key_center.to(device)[:, None, :], self.key_scale.to(device)[:, None, :]
-        k = self.key_codebook.to(device)[k_codes] * scale + center
+        base, step = key_grid(self.key_center.to(device), self.key_scale.to(device))
+        center, half = block_key_range(base, step, blocks.k_low, blocks.k_high)
+        k = self.key_codebook.to(device)[k_codes] * half[:, :, None, :] + center[:, :, None, :]
         v_center = blocks.v_center.float()[:, None, :, None]
         v = self.value_codebook.to(device)[v_codes] * blocks.v_scale.float()[:, None, :, None] + v_center
-        k.view(batch, kv_heads, -1).scatter_add_(2, blocks.k_outlier_index, blocks.k_outlier_value.float())
         v.view(batch, kv_heads, -1).scatter_add_(2, blocks.v_outlier_index, blocks.v_outlier_value.float())
         if blocks.k_sink is not None and blocks.v_sink is not None:
             k[:, :, 0], v[:, :, 0] = blocks.k_sink.float(), blocks.v_sink.float()
         return k, v
 
 
+def key_grid(key_center: torch.Tensor, key_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each key channel's grid, fp32 [H, D] each: point q (0..255) is base + q * step, spanning centre +- 2 scales."""
+    base = key_center - KEY_GRID_SPAN * key_scale
+    step = key_scale * (2 * KEY_GRID_SPAN / (KEY_GRID_POINTS - 1))
+    return base, step
+
+
+def block_key_range(
+    base: torch.Tensor, step: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [B, H, D] centre and half-range of each block's key channels from their grid points (uint8 [B, H, D])."""
+    low_value = base + low.float() * step
+    high_value = base + high.float() * step
+    return (high_value + low_value) / 2, (high_value - low_value) / 2
+
+
 @dataclass
 class NormalizedBlocks:
     """Blocks mapped to codebook units, before rounding: what encode rounds and calibration clusters."""
 
-    k_norm: torch.Tensor  # fp32 [B, H, T, D]: (k - centre) / half-range per channel
+    k_norm: torch.Tensor  # fp32 [B, H, T, D]: (k - block centre) / block half-range per channel
     v_norm: torch.Tensor  # fp32 [B, H, T, D]: (v - token centre) / token half-range
-    k_rank: torch.Tensor  # fp32 [B, H, T, D]: how far out each element is (the top n per head are outliers)
-    v_rank: torch.Tensor
+    v_rank: torch.Tensor  # fp32 [B, H, T, D]: how far out each value is (the top n per head are outliers)
+    k_low: torch.Tensor  # uint8 [B, H, D]
+    k_high: torch.Tensor  # uint8 [B, H, D]
     v_center: torch.Tensor  # fp16 [B, T]
     v_scale: torch.Tensor  # fp16 [B, T]
 
@@ -223,32 +240,54 @@ def normalize_blocks(
     k: torch.Tensor, v: torch.Tensor, key_center: torch.Tensor, key_scale: torch.Tensor, n: int,
     starts_sequence: bool,
 ) -> NormalizedBlocks:
-    """Normalise fp32 pre-RoPE keys per channel and values per token (range over every head's inliers).
+    """Normalise fp32 pre-RoPE keys per (block, channel) and values per token (range over every head's inliers).
 
-    Ranks: |normalised key|; a value's distance from its token's mean in token standard deviations. A sequence's
-    first token (the sink, stored whole) gets rank -1: never an outlier, never in a value range.
+    A key channel's block range is the pair of grid points just outside its minimum and maximum, clamped to the
+    grid (keys beyond it round to the nearest end). A value's rank is its distance from its token's mean in token
+    standard deviations. A sequence's first token (the sink, stored whole) gets rank -1, never an outlier, and sits
+    in no range.
+    Raises:
+        ValueError: keys or values holding NaN, inf, or magnitudes beyond the fp16 range.
     """
-    device = k.device
-    center, scale = key_center.to(device)[:, None, :], key_scale.to(device)[:, None, :]
-    k_norm = (k - center) / scale
-    k_rank = k_norm.abs()
+    if not bool(torch.isfinite(k).all()):
+        raise ValueError("cannot quantize: the keys hold NaN or inf")
+    sink = torch.zeros(k.shape[2], dtype=torch.bool, device=k.device)
+    sink[0] = starts_sequence
+    base, step = key_grid(key_center.to(k.device), key_scale.to(k.device))
+    k_low, k_high = _key_range_points(k, sink, base, step)
+    center, half = block_key_range(base, step, k_low, k_high)
+    k_norm = (k - center[:, :, None, :]) / half[:, :, None, :]
     mean = v.mean(dim=(1, 3), keepdim=True)
     std = v.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
     v_rank = (v - mean).abs() / std
     if starts_sequence:
-        k_rank[:, :, 0], v_rank[:, :, 0] = -1.0, -1.0
+        v_rank[:, :, 0] = -1.0
     v_center, v_scale = _token_range(v, top_mask(v_rank, n))
     v_norm = (v - v_center.float()[:, None, :, None]) / v_scale.float()[:, None, :, None]
-    return NormalizedBlocks(k_norm, v_norm, k_rank, v_rank, v_center, v_scale)
+    return NormalizedBlocks(k_norm, v_norm, v_rank, k_low, k_high, v_center, v_scale)
+
+
+def _key_range_points(
+    k: torch.Tensor, sink: torch.Tensor, base: torch.Tensor, step: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (block, head, channel) over the tokens not masked by `sink` (bool [T]): uint8 grid points at or below
+    the minimum and at or above the maximum, at least one point apart (a block with no such token gets 254, 255)."""
+    low = k.masked_fill(sink[None, None, :, None], float("inf")).amin(dim=2)
+    high = k.masked_fill(sink[None, None, :, None], float("-inf")).amax(dim=2)
+    top = KEY_GRID_POINTS - 1
+    low_point = torch.floor((low - base) / step).clamp(0, top - 1)
+    high_point = torch.maximum(torch.ceil((high - base) / step).clamp(0, top), low_point + 1)
+    return low_point.to(torch.uint8), high_point.to(torch.uint8)
 
 
 def section_sizes(bits: int, kv_heads: int, num_tokens: int, head_dim: int, num_outliers: int) -> list[tuple[str, int]]:
     """(section, bytes) of one block row in layout order (see the module docstring), named as `PackedBlocks`' fields;
-    `num_outliers` per head. Every section is a whole number of its elements, so 2-byte sections start even."""
+    `num_outliers` value outliers per head. Every section is a whole number of its elements, and every 2-byte
+    section starts even."""
     packed = packed_num_bytes(kv_heads * num_tokens * head_dim, bits)
     outliers = kv_heads * num_outliers * 2
-    return [("k_codes", packed), ("v_codes", packed), ("v_center", 2 * num_tokens), ("v_scale", 2 * num_tokens),
-            ("k_outlier_index", outliers), ("k_outlier_value", outliers), ("v_outlier_index", outliers),
+    return [("k_codes", packed), ("v_codes", packed), ("k_low", kv_heads * head_dim), ("k_high", kv_heads * head_dim),
+            ("v_center", 2 * num_tokens), ("v_scale", 2 * num_tokens), ("v_outlier_index", outliers),
             ("v_outlier_value", outliers)]
 
 

@@ -1,6 +1,6 @@
 """The whole system with a KV codec (`TSUKIMI_KV_CODEC=kvquant-3`, real processes, real NATS): it answers, a repeated
-prompt reuses cached blocks and answers the same, and /metrics shows KV stored, kept in the cache-store and moved
-prefill -> decode at a fraction of the bytes raw fp32 KV takes."""
+prompt reuses cached blocks and answers alike each time it does, and /metrics shows KV stored, kept in the
+cache-store and moved prefill -> decode at a fraction of the bytes raw fp32 KV takes."""
 
 from __future__ import annotations
 
@@ -40,11 +40,14 @@ def test_answers_reuse_cached_blocks_and_metrics_show_the_codec(system: System) 
     assert status == 200, first
     assert first["choices"][0]["message"]["content"].strip()
     time.sleep(1.5)  # the blocks reach the cache-store off the critical path; heartbeats carry the counters
-    status, _, second = system.post("/v1/chat/completions", body)
-    assert status == 200, second
     prompt_tokens = first["usage"]["prompt_tokens"]
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.5 * prompt_tokens
-    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    answers = []
+    for _ in range(2):  # both read the same cached blocks, so both answer alike (a fresh prefill attends exactly)
+        status, _, again = system.post("/v1/chat/completions", body)
+        assert status == 200, again
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.5 * prompt_tokens
+        answers.append(again["choices"][0]["message"]["content"])
+    assert answers[0].strip() and answers[0] == answers[1]
     time.sleep(1.0)
     samples = _metrics(system)
     formats = {k for k in samples if k.startswith("tsukimi_kv_block_bytes{")}

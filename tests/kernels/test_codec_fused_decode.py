@@ -1,7 +1,7 @@
 """The engine's kvquant pool on the Triton backend (through the interpreter on CPU) gives what its torch path gives,
-step after step: blocks packed by the pack kernel are the codec's bytes, and the fused decode kernel attends as
-dequantize-then-attend does over packed blocks, the sink, a tail, and a block filling up during the step; prefill
-chunks of the same steps keep the reference path."""
+step after step: blocks packed by the pack kernel are the codec's bytes (a sequence's first block with key ranges
+that leave the sink out), and the fused decode kernel attends as dequantize-then-attend does over packed blocks, the
+sink, a tail, and a block filling up during the step; prefill chunks of the same steps keep the reference path."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_fused_decode_matches_the_reference_path_over_steps(triton_ready: None) 
     q_all = {r: torch.randn(n, HEADS, DIM, generator=g) for r, n in total.items()}
     k_all = {r: torch.randn(n, KV_HEADS, DIM, generator=g) for r, n in total.items()}
     v_all = {r: torch.randn(n, KV_HEADS, DIM, generator=g) for r, n in total.items()}
+    k_all["a"][0, :, :2] *= 6.0  # a's sink far out in two channels: block 0's key ranges must leave it out
     tables = {"a": [3, 5, 7], "b": [10, 11]}
     # a: prefill 31 tokens, then decode 9 (its token 31 fills block 1 during a decode step); b: prefill 15, decode 6.
     steps = [{"a": 31, "b": 15}] + [{"a": 1, "b": 1}] * 6 + [{"a": 1}] * 3

@@ -134,18 +134,19 @@ def test_ref_matches_the_dense_oracle(case: Case) -> None:
         torch.testing.assert_close(out[b].cpu(), dense_oracle(batch, b, scale).float(), atol=1e-5, rtol=1e-5)
 
 
-def test_the_sink_and_the_outliers_change_the_output() -> None:
-    """Guards the comparisons above: a kernel that ignored either would be caught by them."""
+def test_the_sink_the_key_ranges_and_the_value_outliers_change_the_output() -> None:
+    """Guards the comparisons above: a kernel that ignored any of them would be caught by them."""
     batch, scale = make_batch(Case(3, 2, 1, 16, 32, ((3, 4),)), torch.float32), 32**-0.5
     out = kvquant_decode_attention_ref(*batch.args(), scale)
     layout = batch.params.layout
-    no_outliers = batch.pool.clone()
-    no_outliers[:, layout.k_corr_offset : layout.v_index_offset] = 0  # the key corrections
+    other_range = batch.pool.clone()
+    k_high = other_range[int(batch.tables[0, 1]), layout.k_high_offset : layout.v_center_offset]
+    k_high.copy_((k_high.int() + 4).clamp(max=255))  # wider key ranges in one block
     no_v_outliers = batch.pool.clone()
     no_v_outliers[:, layout.v_corr_offset :] = 0  # the value corrections
     other_sink = batch.sink_k.clone()
     other_sink[0, :, 1] += 1.0
-    for changed in ({"pool": no_outliers}, {"pool": no_v_outliers}, {"sink_k": other_sink}):
+    for changed in ({"pool": other_range}, {"pool": no_v_outliers}, {"sink_k": other_sink}):
         args = dict(zip(("q", "pool", "tables", "num_packed", "tail_k", "tail_v", "tail_lens", "sink_k", "sink_v",
                          "params"), batch.args(), strict=True)) | changed
         assert (kvquant_decode_attention_ref(*args.values(), scale) - out).abs().max() > 1e-3

@@ -1,13 +1,15 @@
 """KVQuant calibration: weighted k-means (exact on separated clusters, pulled by weight, deterministic), key ranges,
-window choice by seed, the calibration file (round trip, clear errors), and on the real model a calibration that is
-deterministic for a seed and codes the model's own K/V better than a uniform codebook."""
+window choice by seed, the calibration file (round trip, clear errors, older layouts refused), and on the real model
+a calibration that is deterministic for a seed and codes the model's own K/V better than a uniform codebook."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from shared.kvcompress import KvCalibration, KvCalibrationError, load_calibration
 from shared.kvcompress.calibrate import CalibrationSettings, calibrate, key_ranges, pick_windows
@@ -89,6 +91,11 @@ def test_calibration_file_round_trip_and_errors(tmp_path: Path) -> None:
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(KvCalibrationError, match="not a readable"):
         load_calibration(tmp_path / "junk.safetensors")
+    older = tmp_path / "older.safetensors"  # a file of the layout before per-block key ranges
+    save_file({name: getattr(original, name) for name in ("key_center", "key_scale", "key_codebook", "value_codebook")},
+              str(older), metadata={"tsukimi": json.dumps({"format": "tsukimi-kv-calibration/2", "bits": 2})})
+    with pytest.raises(KvCalibrationError, match="older kvquant layout.*recalibrate"):
+        load_calibration(older)
     with pytest.raises(KvCalibrationError, match="must be"):
         KvCalibration(bits=3, outlier_fraction=0.01, key_center=original.key_center, key_scale=original.key_scale,
                       key_codebook=codebook, value_codebook=codebook)

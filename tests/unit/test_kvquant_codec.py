@@ -1,6 +1,7 @@
-"""The kvquant codec: exact sizes (every byte counted) for odd shapes, dense codes within half a codebook gap,
-outliers and the sink restored, batched encode equal to one-block encode, the compression the issue asks for at
-head dim 64, and clear errors for buffers and shapes that do not fit."""
+"""The kvquant codec: exact sizes (every byte counted) for odd shapes, dense codes within half a codebook gap of
+their block's range, key ranges that follow each block and channel, value outliers and the sink restored, batched
+encode equal to one-block encode, the compression the issue asks for at head dim 64, and clear errors for buffers,
+shapes and keys that do not fit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from shared.kvcompress import KvCalibration, KvCalibrationError, KvCodecError, get_codec, layer_codecs
-from shared.kvcompress.kvquant import KvQuantCodec
+from shared.kvcompress.kvquant import KvQuantCodec, key_grid
 
 SHAPES = [(1, 1, 8), (2, 5, 32), (3, 64, 64), (3, 17, 40)]
 
@@ -40,31 +41,61 @@ def test_encode_length_is_num_bytes_and_decode_restores_shape(bits: int, shape: 
     assert k2.shape == v2.shape == shape and k2.dtype == torch.float16
 
 
+def block_half_range(codec: KvQuantCodec, k: torch.Tensor) -> torch.Tensor:
+    """[H, 1, D]: the widest half-range a block range can take around k's channels (one grid step each side)."""
+    _, step = key_grid(codec.key_center, codec.key_scale)
+    return (k.amax(dim=1) - k.amin(dim=1))[:, None, :] / 2 + step[:, None, :]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_inliers_are_within_half_a_codebook_gap(bits: int) -> None:
     shape = (3, 64, 64)
     codec = make_codec(bits, 3, 64, fraction=0.0)
     g = torch.Generator().manual_seed(3)
-    # Keys inside the calibrated range: the per-channel error is at most half a gap of the linear codebook.
+    # Keys inside the calibrated range: the error is at most half a gap of the linear codebook over the block range.
     unit = torch.rand(shape, generator=g) * 2 - 1
     k = unit * codec.key_scale[:, None, :] + codec.key_center[:, None, :]
     v = torch.randn(shape, generator=g)
     k2, v2 = codec.decode(codec.encode(k, v), *shape, torch.float32)
     half_gap = 1 / ((1 << bits) - 1)
-    assert bool(((k2 - k).abs() <= half_gap * codec.key_scale[:, None, :] * 1.001 + 1e-5).all())
+    assert bool(((k2 - k).abs() <= half_gap * block_half_range(codec, k) * 1.001 + 1e-5).all())
     # Values: per token the range of every head is mapped to [-1, 1] (half-range rounded up to fp16).
     token_half = (v.amax(dim=(0, 2)) - v.amin(dim=(0, 2))) / 2
     bound = half_gap * token_half[None, :, None] * 1.002 + 2e-3 * token_half.abs().max()
     assert bool(((v2 - v).abs() <= bound).all())
 
 
-def test_outliers_are_restored_and_cost_their_share() -> None:
+def test_key_ranges_follow_each_block_and_channel() -> None:
+    shape = (3, 64, 64)
+    codec = make_codec(3, 3, 64, fraction=0.0)
+    g = torch.Generator().manual_seed(4)
+    # Every channel of this block keeps to a narrow band (a tenth of its calibrated range) around its own level.
+    level = (torch.rand(3, 1, 64, generator=g) * 2 - 1) * codec.key_scale[:, None, :]
+    unit = torch.rand(shape, generator=g) * 0.2 - 0.1
+    k = codec.key_center[:, None, :] + level + unit * codec.key_scale[:, None, :]
+    k2, _ = codec.decode(codec.encode(k, torch.randn(shape, generator=g)), *shape, torch.float32)
+    # A static range would leave errors up to a seventh of the calibrated half-range; the block range, 5 times less.
+    assert bool(((k2 - k).abs() <= block_half_range(codec, k) / 7 * 1.001 + 1e-5).all())
+    assert bool(((k2 - k).abs() < codec.key_scale[:, None, :] / 7 / 5).all())
+    # A large key widens only its own channel's range; keys past the grid (centre +- 2 half-ranges) are clipped to it.
+    wide = k.clone()
+    wide[1, 10, 5] = codec.key_center[1, 5] + 1.9 * codec.key_scale[1, 5]
+    wide[2, 20, 9] = codec.key_center[2, 9] + 50 * codec.key_scale[2, 9]
+    k3, _ = codec.decode(codec.encode(wide, torch.randn(shape, generator=g)), *shape, torch.float32)
+    others = torch.ones(shape, dtype=torch.bool)
+    others[1, :, 5], others[2, :, 9] = False, False
+    assert torch.equal(k3[others], k2[others])
+    assert k3[1, 10, 5].item() == pytest.approx(wide[1, 10, 5].item(), abs=float(codec.key_scale[1, 5]) / 7)
+    grid_end = codec.key_center[2, 9] + 2 * codec.key_scale[2, 9]
+    assert k3[2, 20, 9].item() == pytest.approx(grid_end.item(), rel=1e-4)
+
+
+def test_value_outliers_are_restored_and_cost_their_share() -> None:
     shape = (3, 64, 64)
     codec = make_codec(3, 3, 64)
     k, v = random_kv(shape)
-    k[1, 10, 5], v[2, 3, 7] = 80.0, -55.0
-    k2, v2 = codec.decode(codec.encode(k, v), *shape, torch.float32)
-    assert k2[1, 10, 5].item() == pytest.approx(80.0, rel=1e-3)
+    v[2, 3, 7] = -55.0
+    _, v2 = codec.decode(codec.encode(k, v), *shape, torch.float32)
     assert v2[2, 3, 7].item() == pytest.approx(-55.0, rel=1e-3)
     # The outlier does not widen its token's value range: the other values of token 3 keep fine resolution.
     others = torch.ones(shape, dtype=torch.bool)
@@ -73,17 +104,34 @@ def test_outliers_are_restored_and_cost_their_share() -> None:
     assert codec.outliers_per_head(64, 64) == 41  # ceil(1% of 4096)
 
 
-def test_the_sink_token_is_kept_in_fp16() -> None:
+def test_the_sink_token_is_kept_in_fp16_and_out_of_the_key_ranges() -> None:
     shape = (3, 64, 64)
     codec = make_codec(2, 3, 64)
     k, v = random_kv(shape)
-    k[:, 0] *= 30  # a sink with huge keys, as real sinks have
+    k = k * 0.3 + codec.key_center[:, None, :]
+    k[:, 0] += 30 * codec.key_scale  # a sink with huge keys, as real sinks have (beyond the grid)
     k2, v2 = codec.decode(codec.encode(k, v, starts_sequence=True), *shape, torch.float32, starts_sequence=True)
     assert torch.allclose(k2[:, 0], k[:, 0].half().float()) and torch.allclose(v2[:, 0], v[:, 0].half().float())
+    rest = k[:, 1:]
+    assert bool(((k2[:, 1:] - rest).abs() <= block_half_range(codec, rest) / 3 * 1.001 + 1e-5).all())
     without = codec.decode(codec.encode(k, v), *shape, torch.float32)[0]
     assert (without[:, 0] - k[:, 0]).abs().max() > 1.0  # without the sink flag token 0 is coded like the rest
+    assert (without[:, 1:] - rest).abs().max() > 2 * (k2[:, 1:] - rest).abs().max()  # and widens every range
     sizes = codec.num_bytes(*shape, starts_sequence=True) - codec.num_bytes(*shape)
     assert sizes == 2 * 3 * 64 * 2
+
+
+def test_constant_channels_and_non_finite_keys() -> None:
+    shape = (2, 16, 32)
+    codec = make_codec(4, 2, 32)
+    k, v = random_kv(shape)
+    k[0, :, 3] = 0.25  # a constant channel still gets a range one grid step wide, and decodes within it
+    k2, _ = codec.decode(codec.encode(k, v), *shape, torch.float32)
+    step = key_grid(codec.key_center, codec.key_scale)[1]
+    assert (k2[0, :, 3] - 0.25).abs().max() <= step[0, 3]
+    k[1, 2, 4] = float("nan")
+    with pytest.raises(ValueError, match="keys hold NaN"):
+        codec.encode(k, v)
 
 
 def test_batched_encode_matches_one_block_at_a_time() -> None:
