@@ -31,9 +31,8 @@ def _threads(text: str) -> int:
     return value
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    evaluate = commands.add_parser("eval", help="quality evaluations (see: tsukimi eval kv --help)")
-    kinds = evaluate.add_subparsers(dest="eval", metavar="WHAT", required=True)
+def register(kinds: argparse._SubParsersAction) -> None:
+    """Add `kv` to the `eval` command's subcommands."""
     parser = kinds.add_parser(
         "kv", help="a KV codec's perplexity, KL and top-1 agreement against fp16 KV",
         description="Run the model (fp32, CPU) over --windows windows of --ctx tokens of FILE, once with the KV "

