@@ -5,26 +5,31 @@ The reference it must match is `kernels.kvquant_attention.kvquant_decode_attenti
 first launch; the code keeps to the Triton 3.6 API (it also compiles with 3.9).
 
 Design. Flash-decoding: the grid is (sequence, KV head, context split); one program holds every query head of its KV
-head (GQA rows, padded to 16 for tl.dot) and runs an online softmax (base 2) over its share of the sequence's units
-(each packed block is a unit, the fp16 tail one more; the sink goes to the split holding block 0); a small second
-kernel merges the splits' (max, sum, unnormalised output). Per packed block it reads only that row's bytes:
-- Codes are read as whole lcm(b, 8)-bit groups and looked up in the bare codebooks in the groups' own layout, then
-  interleaved back with tl.join. A key is codebook * half-range + centre of its channel's range in the block, which
-  the block's K low and K high bytes place on the channel's grid: one load of 2 * D bytes per block and KV head (the
-  grid's base and step, [D] fp32 each, are loaded once per program).
+head and runs an online softmax (base 2) over its share of the sequence's units (each packed block is a unit, the
+fp16 tail one more; the sink goes to the split holding block 0); a small second kernel merges the splits' (max, sum,
+unnormalised output). GQA rows are padded to 16 for tl.dot (USE_DOT); with one query head per KV head (MHA) the
+products are elementwise in the K and V tiles' own layouts and summed (`_scores`, `_weighted`): no MMA padding rows,
+no operand layout conversions. Per packed block it reads only that row's bytes:
+- Codes are read as whole lcm(b, 8)-bit groups and looked up two at a time in a pair table (fp32 [4**b, 2], entry
+  c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one 8-byte load per two
+  codes, joined back into code order. A key is codebook * half-range + centre of its channel's range in the block,
+  which the block's K low and K high bytes place on the channel's grid (the grid's base and step, [D] fp32 each,
+  are loaded once per program).
 - RoPE without a [T, D/2] table read per block: R(p0 + t) = R(p0) R(t), so the query is turned back by the block's
   base angle (one cos/sin row) and the keys rotated by the in-block offsets t < T, whose table rows stay in
   registers across blocks. (cos(a + b) by angle addition differs from the table's cos((p0 + t) theta) by the fp32
   rounding of the angle, about 1e-7 * position radians.)
 - V: the per-token range is folded into the probabilities, p * V = (p * half-range) @ codebook[codes] +
-  (p . centre).
+  (p . centre). In the MHA kernel the dense part is accumulated per token, acc_tile[t, d] += p[t] * V[t, d] (one
+  FFMA an element, the tile rescaled only when the running max moves) and summed over t once per program.
 - Keys have no sparse outliers (the per-block range takes their place). Value outliers (n = ceil(1% * T * D) per
-  head): their effect is applied where it lands rather than scattered into the dense tile (a [n, T * D] one-hot): a
-  correction c at (t, d) adds p[t] * c to out[d], through [32, T] and [32, D] one-hots fed to tl.dot, 32 outliers at
-  a time. O(n * (T + D)) per block, no second pass over memory and no atomics, so the result is deterministic.
-- 8 warps at T * D = 8192 (about 250 registers a thread, one program per SM), so the next AHEAD blocks' bytes are
-  requested with PTX prefetches (on the GPU only) instead of Triton's software pipelining, which would also stage
-  the codebook gathers in shared memory.
+  head, index t * D + d and correction c, contiguous): all n are loaded in one pass per block, p gathered at their
+  tokens (tl.gather), and w = p[t] * c scattered into the channels by one small dot, the channel split as
+  d = 16 a + b: out[(row, a), b] = sum_j (w_j [a_j = a]) [b_j = b] (`_value_outliers`). No atomics, so the result
+  is deterministic.
+- 8 warps at T * D = 8192 (about 240 registers a thread, one program per SM), so the next AHEAD blocks' bytes are
+  requested with PTX prefetches, one [8 sections, lines] tile of addresses (on the GPU only), instead of Triton's
+  software pipelining, which would also stage the codebook gathers in shared memory.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 from kernels import kvquant_rows_triton as rows_triton
 from kernels.backend import jit_into, on_grid
 from kernels.kvquant_layout import KvQuantLayerParams, KvQuantLayout, check_kernel_layout
-from kernels.kvquant_rows_triton import decode_groups, dense_keys, load_outliers, load_words, prefetch_block
+from kernels.kvquant_rows_triton import decode_groups, dense_keys, load_words, prefetch_block
 
 triton: Any = None  # bound by _load_triton, as in kernels.paged_attention_triton
 tl: Any = None
@@ -54,10 +59,46 @@ def _dot(a, b, like_ptr, DOT_F32: tl.constexpr):
         return tl.dot(a.to(like_ptr.dtype.element_ty), b.to(like_ptr.dtype.element_ty))
 
 
-def _value_outlier_output(p, tok, dim, corr, like_ptr, T: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
-    # [M, D]: p[t] * corr added at channel d for each value outlier (t, d)
-    p_at = _dot(p, tl.arange(0, T)[:, None] == tok[None, :], like_ptr, DOT_F32)  # [M, CHUNK]
-    return _dot(p_at * corr[None, :], dim[:, None] == tl.arange(0, D)[None, :], like_ptr, DOT_F32)
+def _scores(q, k, like_ptr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    # q [M, K], k [N, K] -> q @ k^T [M, N]: tl.dot (M >= 16), or for one query row (M = 1) the products summed in
+    # k's own layout, which keeps the MMA's 15 padding rows and its operand conversions out of the MHA kernel
+    if USE_DOT:
+        return _dot(q, tl.trans(k), like_ptr, DOT_F32)
+    else:
+        return tl.sum(k * q, 1)[None, :]
+
+
+def _weighted(p, v, like_ptr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    # p [M, N], v [N, K] -> p @ v [M, K], as `_scores`
+    if USE_DOT:
+        return _dot(p, v, like_ptr, DOT_F32)
+    else:
+        return tl.sum(tl.trans(p) * v, 0)[None, :]
+
+
+def _value_outliers(p, row16_ptr, kv_head, num_outliers, v_index_offset, v_corr_offset, like_ptr,
+                    M: tl.constexpr, T: tl.constexpr, D: tl.constexpr, N_PAD: tl.constexpr, DOT_F32: tl.constexpr):
+    # [M, D]: p[t] * c added at channel d for each of the head's value outliers (t * D + d, c), all N_PAD (>= n) of
+    # them in one pass. The weight w_j = p[t_j] * c_j is a gather of p; the scatter of w into the D channels is a
+    # dot with the channel split as d = 16 a + b: out[(m, a), b] = sum_j (w[m, j] [a_j = a]) [b_j = b], two one-hots
+    # of N_PAD * (M * D / 16 + 16) elements instead of N_PAD * D. Rows m >= M pad the dot to 16 rows.
+    j = tl.arange(0, N_PAD)
+    is_real = j < num_outliers
+    at = kv_head * num_outliers + j
+    index = tl.load(row16_ptr + v_index_offset // 2 + at, mask=is_real, other=0.0).to(tl.int16, bitcast=True)
+    index = index.to(tl.int32) & 0xFFFF  # uint16 t * D + d; padding: 0 with a zero correction
+    corr = tl.load(row16_ptr + v_corr_offset // 2 + at, mask=is_real, other=0.0).to(tl.float32)
+    w = tl.gather(p, tl.broadcast_to((index // D)[None, :], [M, N_PAD]), 1) * corr[None, :]  # [M, N_PAD]
+    A: tl.constexpr = D // 16
+    M_EFF: tl.constexpr = M if M * A >= 16 else 16 // A
+    m3 = tl.arange(0, M_EFF)[:, None, None]
+    a_hit = (index[None, None, :] // 16 % A == tl.arange(0, A)[None, :, None]) & (m3 < M)
+    w_a = tl.reshape(tl.where(a_hit, w[:, None, :], 0.0), [M_EFF * A, N_PAD])
+    b_hit = (index[:, None] % 16 == tl.arange(0, 16)[None, :]).to(tl.float32)  # [N_PAD, 16]
+    out = tl.reshape(_dot(w_a, b_hit, like_ptr, DOT_F32), [M_EFF, D])
+    if M_EFF != M:  # one real row: the padding rows are zero
+        out = tl.sum(out, 0)[None, :]
+    return out
 
 
 def _softmax_step(m_i, l_i, scores):
@@ -69,9 +110,10 @@ def _softmax_step(m_i, l_i, scores):
 
 
 def _packed_scores(
-    q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_cb_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
+    q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_pairs_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
     k_low_offset, k_high_offset, like_ptr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # [M, T]: q . R(p0 + t) k_t for the block at positions p0 = blk * T onwards; block 0's token 0 (the sink) masked
     half_dims = tl.arange(0, D // 2)
@@ -79,45 +121,51 @@ def _packed_scores(
     c0 = tl.load(cos_ptr + p0 * (D // 2) + half_dims)[None, :]
     s0 = tl.load(sin_ptr + p0 * (D // 2) + half_dims)[None, :]
     qb1, qb2 = q1 * c0 + q2 * s0, q2 * c0 - q1 * s0  # R(p0)^T q
-    k1 = dense_keys(row_ptr, key_cb_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP, T, D)
-    k2 = dense_keys(row_ptr, key_cb_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP, T, D)
+    k1 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP, T, D)
+    k2 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP, T, D)
     kr1, kr2 = k1 * cos_t - k2 * sin_t, k2 * cos_t + k1 * sin_t  # R(t) k
-    scores = _dot(qb1, tl.trans(kr1), like_ptr, DOT_F32) + _dot(qb2, tl.trans(kr2), like_ptr, DOT_F32)
+    scores = _scores(qb1, kr1, like_ptr, USE_DOT, DOT_F32) + _scores(qb2, kr2, like_ptr, USE_DOT, DOT_F32)
     return tl.where((tl.arange(0, T)[None, :] == 0) & (blk == 0), float("-inf"), scores)
 
 
 def _packed_values(
-    p, row_ptr, row16_ptr, kv_head, value_cb_ptr, num_outliers, v_codes_offset, v_center_offset, v_scale_offset,
-    v_index_offset, v_corr_offset, like_ptr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-    HAS_OUTLIERS: tl.constexpr, DOT_F32: tl.constexpr,
+    p, alpha, acc_tile, row_ptr, row16_ptr, kv_head, value_pairs_ptr, num_outliers, v_codes_offset, v_center_offset,
+    v_scale_offset, v_index_offset, v_corr_offset, like_ptr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+    N_PAD: tl.constexpr, HAS_OUTLIERS: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # [M, D]: p @ V for one packed block, V = codebook[code] * half-range[t] + centre[t] (+ outlier corrections)
+    # p @ V for one packed block, V = codebook[code] * half-range[t] + centre[t] (+ outlier corrections): returns
+    # (acc_tile, pv [M, D]). With tl.dot all of it is in pv; for one row (M = 1) the dense part is accumulated
+    # per token instead, acc_tile [T, D] = acc_tile * alpha + p[t] * V[t, d], summed over t once per program (one
+    # FFMA an element; the rescale only when the running max moved)
     toks = tl.arange(0, T)
     v_center = tl.load(row16_ptr + v_center_offset // 2 + toks).to(tl.float32)
     v_scale = tl.load(row16_ptr + v_scale_offset // 2 + toks).to(tl.float32)
     word_index = (kv_head * T + toks[:, None]) * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]
-    v_units = decode_groups(load_words(row_ptr + v_codes_offset, word_index, BITS), value_cb_ptr, BITS, GROUP, 1, 0)
-    pv = _dot(p * v_scale[None, :], v_units, like_ptr, DOT_F32) + tl.sum(p * v_center[None, :], 1)[:, None]
+    v_units = decode_groups(load_words(row_ptr + v_codes_offset, word_index, BITS), value_pairs_ptr, BITS, GROUP)
+    pv = tl.sum(p * v_center[None, :], 1)[:, None]
+    if USE_DOT:
+        pv += _dot(p * v_scale[None, :], v_units, like_ptr, DOT_F32)
+    else:
+        if tl.max(alpha, 0) != 1.0:
+            acc_tile = acc_tile * alpha[:, None]
+        acc_tile += tl.trans(p * v_scale[None, :]) * v_units
     if HAS_OUTLIERS:
-        for start in range(0, num_outliers, CHUNK):
-            tok, dim, corr = load_outliers(row16_ptr, v_index_offset, v_corr_offset, kv_head, num_outliers, start,
-                                           D, CHUNK)
-            pv += _value_outlier_output(p, tok, dim, corr, like_ptr, T, D, DOT_F32)
-    return pv
+        pv += _value_outliers(p, row16_ptr, kv_head, num_outliers, v_index_offset, v_corr_offset, like_ptr, M, T, D,
+                              N_PAD, DOT_F32)
+    return acc_tile, pv
 
 
 def _kvquant_decode_kernel(
     part_ptr, stats_ptr, q_ptr, pool_ptr, pool16_ptr, table_ptr, num_packed_ptr,
     tail_k_ptr, tail_v_ptr, tail_lens_ptr, sink_k_ptr, sink_v_ptr,
-    key_cb_ptr, grid_base_ptr, grid_step_ptr, value_cb_ptr, cos_ptr, sin_ptr, qk_scale,
+    key_pairs_ptr, grid_base_ptr, grid_step_ptr, value_pairs_ptr, cos_ptr, sin_ptr, qk_scale,
     groups, num_outliers, units_per_split, num_splits, row_bytes, stride_table,
     stride_qb, stride_qh, stride_tail_b, stride_tail_h, stride_sink_b, stride_sink_h,
     v_codes_offset, k_low_offset, k_high_offset, v_center_offset, v_scale_offset, v_index_offset, v_corr_offset,
     BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
-    CHUNK: tl.constexpr, HAS_OUTLIERS: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
-    AHEAD: tl.constexpr, CODE_LINES: tl.constexpr, RANGE_LINES: tl.constexpr, META_LINES: tl.constexpr,
-    OUTLIER_LINES: tl.constexpr,
+    N_PAD: tl.constexpr, HAS_OUTLIERS: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LINES: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, toks, dims, half_dims = tl.arange(0, M_PAD), tl.arange(0, T), tl.arange(0, D), tl.arange(0, D // 2)
@@ -134,6 +182,8 @@ def _kvquant_decode_kernel(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
+    TILE_T: tl.constexpr = 1 if USE_DOT else T
+    acc_tile = tl.zeros([TILE_T, D], tl.float32)  # one row: p[t] * V[t, d] of the packed blocks (`_packed_values`)
     num_packed, tail_len = tl.load(num_packed_ptr + seq), tl.load(tail_lens_ptr + seq)
     first = split * units_per_split
     last = tl.minimum(first + units_per_split, num_packed + 1)  # units: the packed blocks, then the tail
@@ -150,36 +200,36 @@ def _kvquant_decode_kernel(
             for ahead in tl.static_range(AHEAD - 1):
                 prefetch_block(table_ptr, tl.minimum(first + ahead, end - 1), pool_ptr, row_bytes, kv_head,
                                num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
-                               v_index_offset, v_corr_offset, BITS, T, D, CODE_LINES, RANGE_LINES, META_LINES,
-                               OUTLIER_LINES)
+                               v_index_offset, v_corr_offset, BITS, T, D, LINES)
     for blk in range(first, end):
         if PREFETCH:
             prefetch_block(table_ptr, tl.minimum(blk + AHEAD - 1, end - 1), pool_ptr, row_bytes, kv_head,
                            num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
-                           v_index_offset, v_corr_offset, BITS, T, D, CODE_LINES, RANGE_LINES, META_LINES,
-                           OUTLIER_LINES)
+                           v_index_offset, v_corr_offset, BITS, T, D, LINES)
         block_id = tl.load(table_ptr + blk).to(tl.int64)
         row_ptr, row16_ptr = pool_ptr + block_id * row_bytes, pool16_ptr + block_id * (row_bytes // 2)
         scores = _packed_scores(
-            q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_cb_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
-            k_low_offset, k_high_offset, tail_k_ptr, BITS, GROUP, T, D, DOT_F32,
+            q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_pairs_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
+            k_low_offset, k_high_offset, tail_k_ptr, BITS, GROUP, T, D, USE_DOT, DOT_F32,
         )
         m_i, alpha, p, l_i = _softmax_step(m_i, l_i, scores)
-        pv = _packed_values(
-            p, row_ptr, row16_ptr, kv_head, value_cb_ptr, num_outliers, v_codes_offset, v_center_offset,
-            v_scale_offset, v_index_offset, v_corr_offset, tail_k_ptr, BITS, GROUP, T, D, CHUNK, HAS_OUTLIERS,
-            DOT_F32,
+        acc_tile, pv = _packed_values(
+            p, alpha, acc_tile, row_ptr, row16_ptr, kv_head, value_pairs_ptr, num_outliers, v_codes_offset,
+            v_center_offset, v_scale_offset, v_index_offset, v_corr_offset, tail_k_ptr, BITS, GROUP, T, D, M_PAD, N_PAD,
+            HAS_OUTLIERS, USE_DOT, DOT_F32,
         )
         acc = acc * alpha[:, None] + pv
 
+    if not USE_DOT:
+        acc += tl.sum(acc_tile, 0)[None, :]
     if (first <= num_packed) & (num_packed < last) & (tail_len > 0):  # the fp16 tail, keys already rotated
         tail = seq * stride_tail_b + kv_head * stride_tail_h + toks[:, None] * D + dims[None, :]
         is_tail = toks < tail_len
         k = tl.load(tail_k_ptr + tail, mask=is_tail[:, None], other=0.0)
         v = tl.load(tail_v_ptr + tail, mask=is_tail[:, None], other=0.0)
-        scores = tl.where(is_tail[None, :], _dot(q, tl.trans(k), tail_k_ptr, DOT_F32), float("-inf"))
+        scores = tl.where(is_tail[None, :], _scores(q, k, tail_k_ptr, USE_DOT, DOT_F32), float("-inf"))
         m_i, alpha, p, l_i = _softmax_step(m_i, l_i, scores)
-        acc = acc * alpha[:, None] + _dot(p, v, tail_k_ptr, DOT_F32)
+        acc = acc * alpha[:, None] + _weighted(p, v, tail_k_ptr, USE_DOT, DOT_F32)
 
     # Partials [batch, num_heads, num_splits, D] and [..., 2] = (max, sum); an idle split leaves (-inf, 0, 0).
     part = ((seq * tl.num_programs(1) + kv_head) * groups + rows) * num_splits + split
@@ -207,9 +257,9 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-_KERNELS = (_dot, _value_outlier_output, _softmax_step, _packed_scores, _packed_values,
+_KERNELS = (_dot, _scores, _weighted, _value_outliers, _softmax_step, _packed_scores, _packed_values,
             _kvquant_decode_kernel, _merge_splits_kernel)
-_ROW_FUNCTIONS = ("load_words", "decode_groups", "dense_keys", "load_outliers", "prefetch_block")
+_ROW_FUNCTIONS = ("load_words", "decode_groups", "dense_keys", "prefetch_block")
 
 
 def _load_triton() -> None:
@@ -260,15 +310,11 @@ def _check_decode_args(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor
     _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
 
 
-def _prefetch_lines_meta(layout: KvQuantLayout) -> dict[str, int]:
-    """How many 128-byte lines each prefetched section of one head can touch (unaligned: one more)."""
-    def lines(num_bytes: int) -> int:
-        return triton.next_power_of_2(-(-num_bytes // 128) + 1)
-
-    head_bytes = layout.block_size * layout.head_dim * layout.bits // 8
-    return {"CODE_LINES": lines(head_bytes), "RANGE_LINES": lines(layout.head_dim),
-            "META_LINES": lines(4 * layout.block_size),
-            "OUTLIER_LINES": lines(2 * max(layout.num_outliers, 1))}
+def _prefetch_lines(layout: KvQuantLayout) -> int:
+    """How many 128-byte lines the longest section one head reads of a block can touch (unaligned: one more)."""
+    longest = max(layout.block_size * layout.head_dim * layout.bits // 8, 4 * layout.block_size,
+                  2 * layout.num_outliers)
+    return triton.next_power_of_2(-(-longest // 128) + 1)
 
 
 def split_plan(batch: int, kv_heads: int, max_blocks: int, device: torch.device) -> tuple[int, int]:
@@ -313,19 +359,22 @@ def kvquant_decode_attention_triton(
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     group = math.lcm(layout.bits, 8) // layout.bits
     groups = num_heads // layout.kv_heads
+    m_pad = triton.next_power_of_2(groups)
     on_grid(_kvquant_decode_kernel, (batch, layout.kv_heads, num_splits))(
         part, stats, q, packed_pool, packed_pool.view(torch.float16), tables, num_packed_blocks.contiguous(),
         tail_k, tail_v, tail_lens.contiguous(), sink_k, sink_v,
-        params.key_codebook, params.key_grid_base, params.key_grid_step, params.value_codebook, params.cos, params.sin,
+        params.key_pair_codebook, params.key_grid_base, params.key_grid_step, params.value_pair_codebook,
+        params.cos, params.sin,
         scale * math.log2(math.e),
         groups, layout.num_outliers, per_split, num_splits, layout.bytes_per_block, tables.stride(0),
         q.stride(0), q.stride(1), tail_k.stride(0), tail_k.stride(1), sink_k.stride(0), sink_k.stride(1),
         layout.v_codes_offset, layout.k_low_offset, layout.k_high_offset, layout.v_center_offset,
         layout.v_scale_offset, layout.v_index_offset, layout.v_corr_offset,
-        BITS=layout.bits, GROUP=group, T=layout.block_size, D=dim, M_PAD=max(16, triton.next_power_of_2(groups)),
-        CHUNK=16 if layout.num_outliers <= 16 else 32, HAS_OUTLIERS=layout.num_outliers > 0,
+        BITS=layout.bits, GROUP=group, T=layout.block_size, D=dim, M_PAD=1 if groups == 1 else max(16, m_pad),
+        N_PAD=max(16, triton.next_power_of_2(layout.num_outliers)), HAS_OUTLIERS=layout.num_outliers > 0,
+        USE_DOT=groups > 1,
         DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
-        PREFETCH=q.device.type == "cuda", AHEAD=_PREFETCH_AHEAD, **_prefetch_lines_meta(layout),
+        PREFETCH=q.device.type == "cuda", AHEAD=_PREFETCH_AHEAD, LINES=_prefetch_lines(layout),
         num_warps=8 if layout.block_size * dim >= 8192 else 4,  # K halves, their rotation and V tiles in registers
         num_stages=1,  # the prefetch keeps blocks in flight; the pipeliner would stage the codebook gathers too
     )

@@ -93,6 +93,13 @@ def check_kernel_layout(layout: KvQuantLayout) -> None:
         raise ValueError(f"kvquant kernels need a power-of-two block_size >= 16, got {tokens}")
 
 
+def pair_codebook(codebook: torch.Tensor) -> torch.Tensor:
+    """fp32 [n * n, 2] from a codebook [n]: entry c1 * n + c0 is (codebook[c0], codebook[c1]), two adjacent codes'
+    values in one 8-byte load (the decode kernel's lookups)."""
+    n = codebook.shape[0]
+    return torch.stack((codebook.repeat(n), codebook.repeat_interleave(n)), 1).float().contiguous()
+
+
 @dataclass(frozen=True)
 class KvQuantLayerParams:
     """What the kvquant kernels take for one layer, on their device.
@@ -158,6 +165,16 @@ class KvQuantLayerParams:
             raise ValueError("the pool row layout disagrees with the codec's block size; update KvQuantLayout")
         calibration = (codec.key_center, codec.key_scale, codec.key_codebook, codec.value_codebook)
         return cls.build(layout, codec.outlier_fraction, calibration, cos, sin)
+
+    @cached_property
+    def key_pair_codebook(self) -> torch.Tensor:
+        """`pair_codebook(key_codebook)`, built once."""
+        return pair_codebook(self.key_codebook)
+
+    @cached_property
+    def value_pair_codebook(self) -> torch.Tensor:
+        """`pair_codebook(value_codebook)`, built once."""
+        return pair_codebook(self.value_codebook)
 
     def codec(self) -> KvQuantCodec:
         """The `KvQuantCodec` these params describe (the references' oracle)."""

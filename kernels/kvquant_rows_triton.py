@@ -1,6 +1,7 @@
-"""Triton device functions reading one KV head's share of a kvquant pool row: code groups and their codebook entries,
-the block's key channel ranges, the sparse value outliers, cache prefetches. Called by
-`kernels.kvquant_attention_triton`, which jits them through `load_triton`; the row layout is `kernels.kvquant_layout`.
+"""Triton device functions reading one KV head's share of a kvquant pool row: code groups and their codebook entries
+(two codes a load, from a pair table), the block's key channel ranges, cache prefetches (the value outliers are read
+by the kernel itself). Called by `kernels.kvquant_attention_triton`, which jits them through `load_triton`; the row
+layout is `kernels.kvquant_layout`.
 """
 
 from __future__ import annotations
@@ -23,27 +24,25 @@ def load_words(byte_ptr, word_index, BITS: tl.constexpr):
         return tl.load(byte_ptr + word_index).to(tl.int32)
 
 
-def _pair(word, i: tl.constexpr, j: tl.constexpr, table_ptr, BITS: tl.constexpr, CODE_STRIDE: tl.constexpr,
-          COLUMN_STEP: tl.constexpr):
-    # [R, W, 2]: the table entries of codes i and j of each group (at table_ptr + column * COLUMN_STEP +
-    # code * CODE_STRIDE), looked up in the groups' own layout
-    mask: tl.constexpr = (1 << BITS) - 1
-    first = tl.load(table_ptr + i * COLUMN_STEP + ((word >> (BITS * i)) & mask) * CODE_STRIDE)
-    return tl.join(first, tl.load(table_ptr + j * COLUMN_STEP + ((word >> (BITS * j)) & mask) * CODE_STRIDE))
+def _pair(word, k: tl.constexpr, pair_ptr, BITS: tl.constexpr):
+    # [R, W, 2]: the codebook entries of codes 2k and 2k + 1 of each group, one 8-byte load from the pair table
+    mask: tl.constexpr = (1 << (2 * BITS)) - 1
+    index = (word >> (2 * BITS * k)) & mask
+    return tl.load(pair_ptr + index[:, :, None] * 2 + tl.arange(0, 2)[None, None, :])
 
 
-def decode_groups(word, table_ptr, BITS: tl.constexpr, GROUP: tl.constexpr, CODE_STRIDE: tl.constexpr,
-                  COLUMN_STEP: tl.constexpr):
-    # Groups [R, W] -> table entries [R, W * GROUP], code i of a group at column i: joined as
-    # join(interleave(even codes), interleave(odd codes)), which the reshape lays out in order
-    args = (table_ptr, BITS, CODE_STRIDE, COLUMN_STEP)
+def decode_groups(word, pair_ptr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    # Groups [R, W] -> codebook entries [R, W * GROUP], code i of a group at column i. pair_ptr: fp32 [4**BITS, 2],
+    # entry c1 << BITS | c0 = (codebook[c0], codebook[c1]) (`pair_codebook`), so one load serves two codes: pairs
+    # k = 0, 1, (2, 3) joined along new minor axes and permuted to code order 2k + e
     if GROUP == 2:
-        values = _pair(word, 0, 1, *args)
+        values = _pair(word, 0, pair_ptr, BITS)
     elif GROUP == 4:
-        values = tl.join(_pair(word, 0, 2, *args), _pair(word, 1, 3, *args))
+        values = tl.permute(tl.join(_pair(word, 0, pair_ptr, BITS), _pair(word, 1, pair_ptr, BITS)), (0, 1, 3, 2))
     else:
-        even = tl.join(_pair(word, 0, 4, *args), _pair(word, 2, 6, *args))
-        values = tl.join(even, tl.join(_pair(word, 1, 5, *args), _pair(word, 3, 7, *args)))
+        low = tl.join(_pair(word, 0, pair_ptr, BITS), _pair(word, 1, pair_ptr, BITS))
+        high = tl.join(_pair(word, 2, pair_ptr, BITS), _pair(word, 3, pair_ptr, BITS))
+        values = tl.permute(tl.join(low, high), (0, 1, 4, 3, 2))  # [R, W, e, k & 1, k >> 1] -> [R, W, k >> 1, ...]
     return tl.reshape(values, [word.shape[0], word.shape[1] * GROUP])
 
 
@@ -56,57 +55,40 @@ def key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: t
     return (high + low) * 0.5, (high - low) * 0.5
 
 
-def dense_keys(row_ptr, key_cb_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr,
+def dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr,
                BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
     # One half (HALF = 0 or 1) of a head's pre-RoPE keys [T, D / 2], fp32: codebook[code] * half-range + centre in
-    # each channel, by the block's own range (`key_range`); base, step [D / 2]: that half's grid
+    # each channel, by the block's own range (`key_range`); base, step [D / 2]: that half's grid; key_pairs_ptr: the
+    # key codebook's pair table (`decode_groups`)
     words: tl.constexpr = D // 2 // GROUP
     toks, cols = tl.arange(0, T), tl.arange(0, words)
     word_index = (kv_head * T + toks[:, None]) * (D // GROUP) + HALF * words + cols[None, :]
-    units = decode_groups(load_words(row_ptr, word_index, BITS), key_cb_ptr, BITS, GROUP, 1, 0)
+    units = decode_groups(load_words(row_ptr, word_index, BITS), key_pairs_ptr, BITS, GROUP)
     center, half = key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF, D)
     return units * half[None, :] + center[None, :]
 
 
-def load_outliers(row16_ptr, index_offset, corr_offset, kv_head, num_outliers, start, D: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    # Sparse corrections start..start+CHUNK-1 of a head: token, channel (int32 [CHUNK]), fp32 value (0 past the end)
-    i = start + tl.arange(0, CHUNK)
-    is_real = i < num_outliers
-    at = kv_head * num_outliers + i
-    index = tl.load(row16_ptr + index_offset // 2 + at, mask=is_real, other=0.0).to(tl.int16, bitcast=True)
-    index = index.to(tl.int32) & 0xFFFF  # stored as uint16
-    corr = tl.load(row16_ptr + corr_offset // 2 + at, mask=is_real, other=0.0).to(tl.float32)
-    return index // D, index % D, corr
-
-
-def _prefetch_lines(ptr, num_bytes, LINES: tl.constexpr):
-    # A cache hint for every 128-byte line of [ptr, ptr + num_bytes) (LINES covers them): PTX, so GPU only (the
-    # interpreter cannot run inline assembly; the kernels skip this there)
-    addr = ptr + tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(num_bytes - 1, 0))
+def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers, v_codes_offset, k_low_offset,
+                   k_high_offset, v_center_offset, v_index_offset, v_corr_offset, BITS: tl.constexpr,
+                   T: tl.constexpr, D: tl.constexpr, LINES: tl.constexpr):
+    # A cache hint for every 128-byte line one KV head reads of the sequence's block `index`: its K and V codes, K
+    # low and high, V centre and half-range, V outlier index and corrections. One [8, LINES] tile of addresses,
+    # section by row (LINES covers the longest, unaligned), so one prefetch instruction a thread at 8 warps. PTX,
+    # so GPU only (the interpreter cannot run inline assembly; the kernels skip this there)
+    row_ptr = pool_ptr + tl.load(table_ptr + index).to(tl.int64) * row_bytes
+    head_bytes: tl.constexpr = T * D * BITS // 8
+    sec = tl.arange(0, 8)[:, None]
+    outliers = kv_head * num_outliers * 2
+    start = tl.where(sec == 0, kv_head * head_bytes, tl.where(sec == 1, v_codes_offset + kv_head * head_bytes,
+            tl.where(sec == 2, k_low_offset + kv_head * D, tl.where(sec == 3, k_high_offset + kv_head * D,
+            tl.where(sec == 4, v_center_offset, tl.where(sec == 5, v_index_offset, v_corr_offset) + outliers)))))
+    size = tl.where(sec < 2, head_bytes, tl.where(sec < 4, D, tl.where(sec == 4, 4 * T, num_outliers * 2)))
+    addr = row_ptr + start + tl.minimum(tl.arange(0, LINES)[None, :] * 128, tl.maximum(size - 1, 0))
     tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
-def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers, v_codes_offset, k_low_offset,
-                   k_high_offset, v_center_offset, v_index_offset, v_corr_offset, BITS: tl.constexpr,
-                   T: tl.constexpr, D: tl.constexpr, CODE_LINES: tl.constexpr, RANGE_LINES: tl.constexpr,
-                   META_LINES: tl.constexpr, OUTLIER_LINES: tl.constexpr):
-    # Everything one KV head reads of the sequence's block `index`: its K and V codes, K and V ranges, V outliers
-    row_ptr = pool_ptr + tl.load(table_ptr + index).to(tl.int64) * row_bytes
-    head_bytes: tl.constexpr = T * D * BITS // 8
-    _prefetch_lines(row_ptr + kv_head * head_bytes, head_bytes, CODE_LINES)
-    _prefetch_lines(row_ptr + v_codes_offset + kv_head * head_bytes, head_bytes, CODE_LINES)
-    _prefetch_lines(row_ptr + k_low_offset + kv_head * D, D, RANGE_LINES)
-    _prefetch_lines(row_ptr + k_high_offset + kv_head * D, D, RANGE_LINES)
-    _prefetch_lines(row_ptr + v_center_offset, 4 * T, META_LINES)
-    outliers = kv_head * num_outliers * 2
-    _prefetch_lines(row_ptr + v_index_offset + outliers, num_outliers * 2, OUTLIER_LINES)
-    _prefetch_lines(row_ptr + v_corr_offset + outliers, num_outliers * 2, OUTLIER_LINES)
-
-
-_FUNCTIONS = (load_words, _pair, decode_groups, key_range, dense_keys, load_outliers, _prefetch_lines,
-              prefetch_block)
+_FUNCTIONS = (load_words, _pair, decode_groups, key_range, dense_keys, prefetch_block)
 
 
 def load_triton() -> None:

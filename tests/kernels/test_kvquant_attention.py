@@ -174,6 +174,10 @@ TRITON_CASES = [  # (case, dtype, units per split: None = the launcher's choice)
     pytest.param(Case(4, 1, 3, 16, 64, ((5, 3), (0, 1), (1, 0))), torch.float16, 3, id="b4-gqa3-fp16"),
     pytest.param(Case(4, 2, 1, 64, 64, ((1, 64), (2, 17))), torch.float32, None, id="b4-t64-d64-full-tail"),
     pytest.param(REF_CASES[2].values[0], torch.float32, 2, id="b4-no-outliers"),
+    # one query head per KV head (the elementwise path, per-token V accumulation) with many value outliers (n = 41,
+    # padded to 64) in fp16, 2 bits (pairs of 4-bit indices) and 4 bits (a byte a pair)
+    pytest.param(Case(2, 2, 1, 32, 64, ((3, 5), (1, 0)), fraction=0.02), torch.float16, 2, id="b2-mha-outliers-fp16"),
+    pytest.param(Case(4, 3, 1, 16, 128, ((2, 7), (3, 16))), torch.float16, None, id="b4-mha-d128-fp16"),
     pytest.param(Case(3, 32, 1, 64, 128, tuple((1 + i * 7 % 24, 9 * i % 65) for i in range(8))), torch.float16, None,
                  id="real", marks=ON_GPU),
 ]
