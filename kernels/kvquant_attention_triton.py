@@ -11,23 +11,28 @@ unnormalised output). GQA rows are padded to 16 for tl.dot (USE_DOT); with one q
 products are elementwise in the K and V tiles' own layouts and summed (`_scores`, `_weighted`): no MMA padding rows,
 no operand layout conversions. Per packed block it reads only that row's bytes:
 - Codes are read as whole lcm(b, 8)-bit groups and looked up two at a time in a pair table (fp32 [4**b, 2], entry
-  c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one 8-byte load per two
-  codes, joined back into code order. A key is codebook * half-range + centre of its channel's range in the block,
-  which the block's K low and K high bytes place on the channel's grid (the grid's base and step, [D] fp32 each,
-  are loaded once per program).
+  c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one 8-byte load per codes k
+  and k + group / 2, joined so that each thread's registers run in channel order (then the per-channel vectors it
+  meets, RoPE rows and key ranges, load and convert as whole vectors). A key is codebook * half-range + centre of
+  its channel's range in the block, which the block's K low and K high bytes place on the channel's grid (the
+  grid's base and step, [D] fp32 each, are loaded once per program); centre and half-range are worked out once a
+  channel in a compact layout and only then spread over the key tile (`key_range`).
 - RoPE without a [T, D/2] table read per block: R(p0 + t) = R(p0) R(t), so the query is turned back by the block's
   base angle (one cos/sin row) and the keys rotated by the in-block offsets t < T, whose table rows stay in
   registers across blocks. (cos(a + b) by angle addition differs from the table's cos((p0 + t) theta) by the fp32
-  rounding of the angle, about 1e-7 * position radians.)
+  rounding of the angle, about 1e-7 * position radians.) Without tl.dot both halves' products are added first and
+  reduced once.
 - V: the per-token range is folded into the probabilities, p * V = (p * half-range) @ codebook[codes] +
-  (p . centre). In the MHA kernel the dense part is accumulated per token, acc_tile[t, d] += p[t] * V[t, d] (one
-  FFMA an element, the tile rescaled only when the running max moves) and summed over t once per program.
+  (p . centre). In the MHA kernel the dense part is accumulated per token, acc_tile[t, d] += p[t'] * V[t', d] for
+  the four tokens t' = t + i T / 4 a thread holds (one FFMA an element, the [T / 4, D] tile rescaled only when the
+  running max moves) and summed over t once per program.
 - Keys have no sparse outliers (the per-block range takes their place). Value outliers (n = ceil(1% * T * D) per
   head, index t * D + d and correction c, contiguous): all n are loaded in one pass per block, p gathered at their
   tokens (tl.gather), and w = p[t] * c scattered into the channels by one small dot, the channel split as
   d = 16 a + b: out[(row, a), b] = sum_j (w_j [a_j = a]) [b_j = b] (`_value_outliers`). No atomics, so the result
   is deterministic.
-- 8 warps at T * D = 8192 (about 240 registers a thread, one program per SM), so the next AHEAD blocks' bytes are
+- 4 warps (about 240 registers a thread at T * D = 8192: two programs per SM; at 8 warps per-channel work and
+  reductions are shared by more threads, costing more instructions a block), and the next AHEAD blocks' bytes are
   requested with PTX prefetches, one [8 sections, lines] tile of addresses (on the GPU only), instead of Triton's
   software pipelining, which would also stage the codebook gathers in shared memory.
 """
@@ -124,7 +129,10 @@ def _packed_scores(
     k1 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP, T, D)
     k2 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP, T, D)
     kr1, kr2 = k1 * cos_t - k2 * sin_t, k2 * cos_t + k1 * sin_t  # R(t) k
-    scores = _scores(qb1, kr1, like_ptr, USE_DOT, DOT_F32) + _scores(qb2, kr2, like_ptr, USE_DOT, DOT_F32)
+    if USE_DOT:
+        scores = _scores(qb1, kr1, like_ptr, USE_DOT, DOT_F32) + _scores(qb2, kr2, like_ptr, USE_DOT, DOT_F32)
+    else:  # one reduction for both halves
+        scores = tl.sum(kr1 * qb1 + kr2 * qb2, 1)[None, :]
     return tl.where((tl.arange(0, T)[None, :] == 0) & (blk == 0), float("-inf"), scores)
 
 
@@ -136,8 +144,8 @@ def _packed_values(
 ):
     # p @ V for one packed block, V = codebook[code] * half-range[t] + centre[t] (+ outlier corrections): returns
     # (acc_tile, pv [M, D]). With tl.dot all of it is in pv; for one row (M = 1) the dense part is accumulated
-    # per token instead, acc_tile [T, D] = acc_tile * alpha + p[t] * V[t, d], summed over t once per program (one
-    # FFMA an element; the rescale only when the running max moved)
+    # per token instead, acc_tile [T / 4, D] = acc_tile * alpha + sum_i p[t'] * V[t', d] over the four tokens
+    # t' = t + i T / 4, summed over t once per program (one FFMA an element; the rescale only when the max moved)
     toks = tl.arange(0, T)
     v_center = tl.load(row16_ptr + v_center_offset // 2 + toks).to(tl.float32)
     v_scale = tl.load(row16_ptr + v_scale_offset // 2 + toks).to(tl.float32)
@@ -149,7 +157,12 @@ def _packed_values(
     else:
         if tl.max(alpha, 0) != 1.0:
             acc_tile = acc_tile * alpha[:, None]
-        acc_tile += tl.trans(p * v_scale[None, :]) * v_units
+        # tokens t + i T / 4 (i < 4) share row t of the tile: split apart in registers, added by one FFMA chain
+        w01, w23 = tl.split(tl.permute(tl.reshape(tl.trans(p * v_scale[None, :]), [2, 2, T // 4, 1]), (2, 3, 0, 1)))
+        v01, v23 = tl.split(tl.permute(tl.reshape(v_units, [2, 2, T // 4, D]), (2, 3, 0, 1)))
+        (w0, w1), (v0, v1), (w2, w3), (v2, v3) = tl.split(w01), tl.split(v01), tl.split(w23), tl.split(v23)
+        acc_tile = ((acc_tile + w0 * v0) + w1 * v1) + w2 * v2
+        acc_tile = acc_tile + w3 * v3
     if HAS_OUTLIERS:
         pv += _value_outliers(p, row16_ptr, kv_head, num_outliers, v_index_offset, v_corr_offset, like_ptr, M, T, D,
                               N_PAD, DOT_F32)
@@ -182,8 +195,8 @@ def _kvquant_decode_kernel(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
-    TILE_T: tl.constexpr = 1 if USE_DOT else T
-    acc_tile = tl.zeros([TILE_T, D], tl.float32)  # one row: p[t] * V[t, d] of the packed blocks (`_packed_values`)
+    TILE_T: tl.constexpr = 1 if USE_DOT else T // 4
+    acc_tile = tl.zeros([TILE_T, D], tl.float32)  # one row: p * V of the packed blocks (`_packed_values`)
     num_packed, tail_len = tl.load(num_packed_ptr + seq), tl.load(tail_lens_ptr + seq)
     first = split * units_per_split
     last = tl.minimum(first + units_per_split, num_packed + 1)  # units: the packed blocks, then the tail
@@ -195,7 +208,7 @@ def _kvquant_decode_kernel(
 
     end = tl.minimum(last, num_packed)
     table_ptr += seq * stride_table
-    if PREFETCH:  # AHEAD blocks in flight: at one program per SM nothing else hides the latency of HBM
+    if PREFETCH:  # AHEAD blocks in flight: at two programs per SM little else hides the latency of HBM
         if end > first:
             for ahead in tl.static_range(AHEAD - 1):
                 prefetch_block(table_ptr, tl.minimum(first + ahead, end - 1), pool_ptr, row_bytes, kv_head,
@@ -375,7 +388,7 @@ def kvquant_decode_attention_triton(
         USE_DOT=groups > 1,
         DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
         PREFETCH=q.device.type == "cuda", AHEAD=_PREFETCH_AHEAD, LINES=_prefetch_lines(layout),
-        num_warps=8 if layout.block_size * dim >= 8192 else 4,  # K halves, their rotation and V tiles in registers
+        num_warps=4,  # about 240 registers a thread: two programs an SM
         num_stages=1,  # the prefetch keeps blocks in flight; the pipeliner would stage the codebook gathers too
     )
     on_grid(_merge_splits_kernel, (batch, num_heads))(

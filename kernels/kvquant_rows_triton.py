@@ -24,35 +24,41 @@ def load_words(byte_ptr, word_index, BITS: tl.constexpr):
         return tl.load(byte_ptr + word_index).to(tl.int32)
 
 
-def _pair(word, k: tl.constexpr, pair_ptr, BITS: tl.constexpr):
-    # [R, W, 2]: the codebook entries of codes 2k and 2k + 1 of each group, one 8-byte load from the pair table
-    mask: tl.constexpr = (1 << (2 * BITS)) - 1
-    index = (word >> (2 * BITS * k)) & mask
+def _pair(word, k: tl.constexpr, pair_ptr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    # [R, W, 2]: the codebook entries of codes k and k + GROUP / 2 of each group, one 8-byte load from the pair table
+    code: tl.constexpr = (1 << BITS) - 1
+    index = ((word >> (BITS * k)) & code) | (((word >> (BITS * (k + GROUP // 2))) & code) << BITS)
     return tl.load(pair_ptr + index[:, :, None] * 2 + tl.arange(0, 2)[None, None, :])
 
 
 def decode_groups(word, pair_ptr, BITS: tl.constexpr, GROUP: tl.constexpr):
     # Groups [R, W] -> codebook entries [R, W * GROUP], code i of a group at column i. pair_ptr: fp32 [4**BITS, 2],
-    # entry c1 << BITS | c0 = (codebook[c0], codebook[c1]) (`pair_codebook`), so one load serves two codes: pairs
-    # k = 0, 1, (2, 3) joined along new minor axes and permuted to code order 2k + e
+    # entry c1 << BITS | c0 = (codebook[c0], codebook[c1]) (`pair_codebook`), so one load serves two codes: codes k
+    # and k + GROUP / 2 (the loaded axis e), the pairs k = 2 kh + kl joined kh first, so that the tile's registers
+    # run in channel order 4 e + 2 kh + kl (a join's new axis is its fastest register; contiguous loads of
+    # per-channel vectors in that layout vectorise) and a reshape puts the codes in place
     if GROUP == 2:
-        values = _pair(word, 0, pair_ptr, BITS)
+        values = _pair(word, 0, pair_ptr, BITS, GROUP)
     elif GROUP == 4:
-        values = tl.permute(tl.join(_pair(word, 0, pair_ptr, BITS), _pair(word, 1, pair_ptr, BITS)), (0, 1, 3, 2))
+        values = tl.join(_pair(word, 0, pair_ptr, BITS, GROUP), _pair(word, 1, pair_ptr, BITS, GROUP))
     else:
-        low = tl.join(_pair(word, 0, pair_ptr, BITS), _pair(word, 1, pair_ptr, BITS))
-        high = tl.join(_pair(word, 2, pair_ptr, BITS), _pair(word, 3, pair_ptr, BITS))
-        values = tl.permute(tl.join(low, high), (0, 1, 4, 3, 2))  # [R, W, e, k & 1, k >> 1] -> [R, W, k >> 1, ...]
+        even = tl.join(_pair(word, 0, pair_ptr, BITS, GROUP), _pair(word, 2, pair_ptr, BITS, GROUP))
+        odd = tl.join(_pair(word, 1, pair_ptr, BITS, GROUP), _pair(word, 3, pair_ptr, BITS, GROUP))
+        values = tl.join(even, odd)  # [R, W, e, kh, kl]
     return tl.reshape(values, [word.shape[0], word.shape[1] * GROUP])
 
 
 def key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr, D: tl.constexpr):
     # One half of a head's key channels in the block: centre and half-range [D / 2], fp32, from the row's K low and
-    # K high grid points and the channels' grid base, step [D / 2] (`shared.kvcompress.kvquant.block_key_range`)
+    # K high grid points and the channels' grid base, step [D / 2] (`shared.kvcompress.kvquant.block_key_range`).
+    # Worked out on a [D / 2, 2] tile of the two ends and summed over them: the reduction keeps this in a compact
+    # layout (a channel or two a thread) and the key tile's layout gets only the result, instead of every thread
+    # redoing the arithmetic for each channel it holds
     at = kv_head * D + HALF * (D // 2) + tl.arange(0, D // 2)
-    low = base + tl.load(row_ptr + k_low_offset + at).to(tl.float32) * step
-    high = base + tl.load(row_ptr + k_high_offset + at).to(tl.float32) * step
-    return (high + low) * 0.5, (high - low) * 0.5
+    side = tl.arange(0, 2)[None, :]
+    ends = tl.load(row_ptr + tl.where(side == 0, k_low_offset, k_high_offset) + at[:, None]).to(tl.float32)
+    terms = ends * (step * 0.5)[:, None]
+    return tl.sum(terms + (base * 0.5)[:, None], 1), tl.sum(terms * (side * 2 - 1).to(tl.float32), 1)
 
 
 def dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr,
@@ -73,7 +79,7 @@ def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers,
                    T: tl.constexpr, D: tl.constexpr, LINES: tl.constexpr):
     # A cache hint for every 128-byte line one KV head reads of the sequence's block `index`: its K and V codes, K
     # low and high, V centre and half-range, V outlier index and corrections. One [8, LINES] tile of addresses,
-    # section by row (LINES covers the longest, unaligned), so one prefetch instruction a thread at 8 warps. PTX,
+    # section by row (LINES covers the longest, unaligned): a prefetch instruction or two a thread. PTX,
     # so GPU only (the interpreter cannot run inline assembly; the kernels skip this there)
     row_ptr = pool_ptr + tl.load(table_ptr + index).to(tl.int64) * row_bytes
     head_bytes: tl.constexpr = T * D * BITS // 8
