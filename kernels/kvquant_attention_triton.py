@@ -20,8 +20,10 @@ no operand layout conversions. Per packed block it reads only that row's bytes:
 - RoPE without a [T, D/2] table read per block: R(p0 + t) = R(p0) R(t), so the query is turned back by the block's
   base angle (one cos/sin row) and the keys rotated by the in-block offsets t < T, whose table rows stay in
   registers across blocks. (cos(a + b) by angle addition differs from the table's cos((p0 + t) theta) by the fp32
-  rounding of the angle, about 1e-7 * position radians.) Without tl.dot both halves' products are added first and
-  reduced once.
+  rounding of the angle, about 1e-7 * position radians.) With one query row (MHA) range and rotation fold into six
+  per-channel weights: per channel pair, qb . R(t) k = cos_t (u1 a1 + u2 a2 + x) + sin_t (u1 b1 - u2 b2 + y) (u the
+  codebook units, a, b, x, y from R(p0)^T q and the block's ranges, worked out in `key_range`'s compact layout),
+  6 FFMA a pair, the columns a thread holds summed by one FFMA chain (`rotated_dot`).
 - V: the per-token range is folded into the probabilities, p * V = (p * half-range) @ codebook[codes] +
   (p . centre). In the MHA kernel the dense part is accumulated per token, acc_tile[t, d] += p[t'] * V[t', d] for
   the four tokens t' = t + i T / 4 a thread holds (one FFMA an element, the [T / 4, D] tile rescaled only when the
@@ -29,12 +31,12 @@ no operand layout conversions. Per packed block it reads only that row's bytes:
 - Keys have no sparse outliers (the per-block range takes their place). Value outliers (n = ceil(1% * T * D) per
   head, index t * D + d and correction c, contiguous): all n are loaded in one pass per block, p gathered at their
   tokens (tl.gather), and w = p[t] * c scattered into the channels by one small dot, the channel split as
-  d = 16 a + b: out[(row, a), b] = sum_j (w_j [a_j = a]) [b_j = b] (`_value_outliers`). No atomics, so the result
-  is deterministic.
-- 4 warps (about 240 registers a thread at T * D = 8192: two programs per SM; at 8 warps per-channel work and
+  d = 16 a + b: out[(row, a), b] = sum_j (w_j [a_j = a]) [b_j = b] (`kvquant_rows_triton._value_outliers`). No
+  atomics, so the result is deterministic.
+- 4 warps (about 250 registers a thread at T * D = 8192: two programs per SM; at 8 warps per-channel work and
   reductions are shared by more threads, costing more instructions a block), and the next AHEAD blocks' bytes are
-  requested with PTX prefetches, one [8 sections, lines] tile of addresses (on the GPU only), instead of Triton's
-  software pipelining, which would also stage the codebook gathers in shared memory.
+  requested with PTX prefetches, one [8 sections, lines] tile of row offsets worked out once a program (on the GPU
+  only), instead of Triton's software pipelining, which would also stage the codebook gathers in shared memory.
 """
 
 from __future__ import annotations
@@ -47,21 +49,23 @@ import torch
 from kernels import kvquant_rows_triton as rows_triton
 from kernels.backend import jit_into, on_grid
 from kernels.kvquant_layout import KvQuantLayerParams, KvQuantLayout, check_kernel_layout
-from kernels.kvquant_rows_triton import decode_groups, dense_keys, load_words, prefetch_block
+from kernels.kvquant_rows_triton import (
+    _dot,
+    _value_outliers,
+    decode_groups,
+    dense_keys,
+    key_range,
+    load_words,
+    prefetch_block,
+    prefetch_offsets,
+    rotated_dot,
+)
 
 triton: Any = None  # bound by _load_triton, as in kernels.paged_attention_triton
 tl: Any = None
 
 
 # ---- Triton kernels, jitted by _load_triton ----------------------------------------------------------------
-
-
-def _dot(a, b, like_ptr, DOT_F32: tl.constexpr):
-    # Operands in the query's dtype (fp16/bf16 MMA, fp32 accumulate); fp32 exact (the interpreter's bf16 too).
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a.to(like_ptr.dtype.element_ty), b.to(like_ptr.dtype.element_ty))
 
 
 def _scores(q, k, like_ptr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -81,31 +85,6 @@ def _weighted(p, v, like_ptr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
         return tl.sum(tl.trans(p) * v, 0)[None, :]
 
 
-def _value_outliers(p, row16_ptr, kv_head, num_outliers, v_index_offset, v_corr_offset, like_ptr,
-                    M: tl.constexpr, T: tl.constexpr, D: tl.constexpr, N_PAD: tl.constexpr, DOT_F32: tl.constexpr):
-    # [M, D]: p[t] * c added at channel d for each of the head's value outliers (t * D + d, c), all N_PAD (>= n) of
-    # them in one pass. The weight w_j = p[t_j] * c_j is a gather of p; the scatter of w into the D channels is a
-    # dot with the channel split as d = 16 a + b: out[(m, a), b] = sum_j (w[m, j] [a_j = a]) [b_j = b], two one-hots
-    # of N_PAD * (M * D / 16 + 16) elements instead of N_PAD * D. Rows m >= M pad the dot to 16 rows.
-    j = tl.arange(0, N_PAD)
-    is_real = j < num_outliers
-    at = kv_head * num_outliers + j
-    index = tl.load(row16_ptr + v_index_offset // 2 + at, mask=is_real, other=0.0).to(tl.int16, bitcast=True)
-    index = index.to(tl.int32) & 0xFFFF  # uint16 t * D + d; padding: 0 with a zero correction
-    corr = tl.load(row16_ptr + v_corr_offset // 2 + at, mask=is_real, other=0.0).to(tl.float32)
-    w = tl.gather(p, tl.broadcast_to((index // D)[None, :], [M, N_PAD]), 1) * corr[None, :]  # [M, N_PAD]
-    A: tl.constexpr = D // 16
-    M_EFF: tl.constexpr = M if M * A >= 16 else 16 // A
-    m3 = tl.arange(0, M_EFF)[:, None, None]
-    a_hit = (index[None, None, :] // 16 % A == tl.arange(0, A)[None, :, None]) & (m3 < M)
-    w_a = tl.reshape(tl.where(a_hit, w[:, None, :], 0.0), [M_EFF * A, N_PAD])
-    b_hit = (index[:, None] % 16 == tl.arange(0, 16)[None, :]).to(tl.float32)  # [N_PAD, 16]
-    out = tl.reshape(_dot(w_a, b_hit, like_ptr, DOT_F32), [M_EFF, D])
-    if M_EFF != M:  # one real row: the padding rows are zero
-        out = tl.sum(out, 0)[None, :]
-    return out
-
-
 def _softmax_step(m_i, l_i, scores):
     # Online softmax in base 2 over one tile of scores [M, N]: (new max, rescale of the old state, p, new sum)
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -115,7 +94,7 @@ def _softmax_step(m_i, l_i, scores):
 
 
 def _packed_scores(
-    q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_pairs_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
+    q1, q2, qa, qn, cos_t, sin_t, row_ptr, blk, kv_head, key_pairs_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
     k_low_offset, k_high_offset, like_ptr,
     BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -123,16 +102,35 @@ def _packed_scores(
     # [M, T]: q . R(p0 + t) k_t for the block at positions p0 = blk * T onwards; block 0's token 0 (the sink) masked
     half_dims = tl.arange(0, D // 2)
     p0 = blk * T
-    c0 = tl.load(cos_ptr + p0 * (D // 2) + half_dims)[None, :]
-    s0 = tl.load(sin_ptr + p0 * (D // 2) + half_dims)[None, :]
-    qb1, qb2 = q1 * c0 + q2 * s0, q2 * c0 - q1 * s0  # R(p0)^T q
-    k1 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP, T, D)
-    k2 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP, T, D)
-    kr1, kr2 = k1 * cos_t - k2 * sin_t, k2 * cos_t + k1 * sin_t  # R(t) k
     if USE_DOT:
+        c0 = tl.load(cos_ptr + p0 * (D // 2) + half_dims)[None, :]
+        s0 = tl.load(sin_ptr + p0 * (D // 2) + half_dims)[None, :]
+        qb1, qb2 = q1 * c0 + q2 * s0, q2 * c0 - q1 * s0  # R(p0)^T q
+        k1 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP,
+                        T, D)
+        k2 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP,
+                        T, D)
+        kr1, kr2 = k1 * cos_t - k2 * sin_t, k2 * cos_t + k1 * sin_t  # R(t) k
         scores = _scores(qb1, kr1, like_ptr, USE_DOT, DOT_F32) + _scores(qb2, kr2, like_ptr, USE_DOT, DOT_F32)
-    else:  # one reduction for both halves
-        scores = tl.sum(kr1 * qb1 + kr2 * qb2, 1)[None, :]
+    else:
+        # One query row: qb = R(p0)^T q, key k = u * h + m (codebook units u, the block's range), and per channel
+        # pair qb . R(t) k = cos_t (u1 a1 + u2 a2 + x) + sin_t (u1 b1 - u2 b2 + y), the six per-channel weights
+        # worked out once a channel in key_range's compact [D / 2, 2] layout (R(p0)^T q by the same reduction)
+        side = tl.arange(0, 2)[None, :]
+        angle = p0 * (D // 2) + half_dims[:, None]
+        cs0 = tl.load(tl.where(side == 0, cos_ptr + angle, sin_ptr + angle))  # [D / 2, 2]: cos, sin of p0
+        qb1, qb2 = tl.sum(qa * cs0, 1), tl.sum(qn * cs0, 1)
+        m1, h1 = key_range(row_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, D)
+        m2, h2 = key_range(row_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, D)
+        a1, a2, b1, b2 = qb1 * h1, qb2 * h2, qb2 * h1, qb1 * h2
+        x, y = qb1 * m1 + qb2 * m2, qb2 * m1 - qb1 * m2
+        u1 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base1, step1, kv_head, 0, BITS, GROUP,
+                        T, D, False)
+        u2 = dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base2, step2, kv_head, 1, BITS, GROUP,
+                        T, D, False)
+        kc = u1 * a1[None, :] + (u2 * a2[None, :] + x[None, :])
+        ks = u1 * b1[None, :] - (u2 * b2[None, :] - y[None, :])
+        scores = rotated_dot(cos_t, kc, sin_t, ks, GROUP)[None, :]
     return tl.where((tl.arange(0, T)[None, :] == 0) & (blk == 0), float("-inf"), scores)
 
 
@@ -187,6 +185,10 @@ def _kvquant_decode_kernel(
     q = tl.load(q_rows_ptr + dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     q1 = tl.load(q_rows_ptr + half_dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     q2 = tl.load(q_rows_ptr + D // 2 + half_dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    pair_side = half_dims[:, None] + tl.arange(0, 2)[None, :] * (D // 2)  # [D/2, 2]: (q1, q2) and (q2, -q1)
+    q_row_ptr = q_ptr + seq * stride_qb + kv_head * groups * stride_qh
+    qa = tl.load(q_row_ptr + pair_side).to(tl.float32) * qk_scale  # one query row (MHA): `_packed_scores`
+    qn = tl.load(q_row_ptr + (pair_side + D // 2) % D).to(tl.float32) * (qk_scale * (1 - 2 * tl.arange(0, 2)))
     offset_table = toks[:, None] * (D // 2) + half_dims[None, :]
     cos_t, sin_t = tl.load(cos_ptr + offset_table), tl.load(sin_ptr + offset_table)  # [T, D/2]: R(t), t < T
     grid = kv_head * D + half_dims  # the head's key grids, [D/2] per half, for every block
@@ -209,21 +211,19 @@ def _kvquant_decode_kernel(
     end = tl.minimum(last, num_packed)
     table_ptr += seq * stride_table
     if PREFETCH:  # AHEAD blocks in flight: at two programs per SM little else hides the latency of HBM
+        lines = prefetch_offsets(kv_head, num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
+                                 v_index_offset, v_corr_offset, BITS, T, D, LINES)
         if end > first:
             for ahead in tl.static_range(AHEAD - 1):
-                prefetch_block(table_ptr, tl.minimum(first + ahead, end - 1), pool_ptr, row_bytes, kv_head,
-                               num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
-                               v_index_offset, v_corr_offset, BITS, T, D, LINES)
+                prefetch_block(table_ptr, tl.minimum(first + ahead, end - 1), pool_ptr, row_bytes, lines)
     for blk in range(first, end):
         if PREFETCH:
-            prefetch_block(table_ptr, tl.minimum(blk + AHEAD - 1, end - 1), pool_ptr, row_bytes, kv_head,
-                           num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
-                           v_index_offset, v_corr_offset, BITS, T, D, LINES)
+            prefetch_block(table_ptr, tl.minimum(blk + AHEAD - 1, end - 1), pool_ptr, row_bytes, lines)
         block_id = tl.load(table_ptr + blk).to(tl.int64)
         row_ptr, row16_ptr = pool_ptr + block_id * row_bytes, pool16_ptr + block_id * (row_bytes // 2)
         scores = _packed_scores(
-            q1, q2, cos_t, sin_t, row_ptr, blk, kv_head, key_pairs_ptr, base1, step1, base2, step2, cos_ptr, sin_ptr,
-            k_low_offset, k_high_offset, tail_k_ptr, BITS, GROUP, T, D, USE_DOT, DOT_F32,
+            q1, q2, qa, qn, cos_t, sin_t, row_ptr, blk, kv_head, key_pairs_ptr, base1, step1, base2, step2, cos_ptr,
+            sin_ptr, k_low_offset, k_high_offset, tail_k_ptr, BITS, GROUP, T, D, USE_DOT, DOT_F32,
         )
         m_i, alpha, p, l_i = _softmax_step(m_i, l_i, scores)
         acc_tile, pv = _packed_values(
@@ -270,9 +270,10 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-_KERNELS = (_dot, _scores, _weighted, _value_outliers, _softmax_step, _packed_scores, _packed_values,
-            _kvquant_decode_kernel, _merge_splits_kernel)
-_ROW_FUNCTIONS = ("load_words", "decode_groups", "dense_keys", "prefetch_block")
+_KERNELS = (_scores, _weighted, _softmax_step, _packed_scores, _packed_values, _kvquant_decode_kernel,
+            _merge_splits_kernel)
+_ROW_FUNCTIONS = ("_dot", "_value_outliers", "load_words", "decode_groups", "rotated_dot", "key_range", "dense_keys",
+                  "prefetch_offsets", "prefetch_block")
 
 
 def _load_triton() -> None:
@@ -388,7 +389,7 @@ def kvquant_decode_attention_triton(
         USE_DOT=groups > 1,
         DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
         PREFETCH=q.device.type == "cuda", AHEAD=_PREFETCH_AHEAD, LINES=_prefetch_lines(layout),
-        num_warps=4,  # about 240 registers a thread: two programs an SM
+        num_warps=4,  # about 250 registers a thread: two programs an SM
         num_stages=1,  # the prefetch keeps blocks in flight; the pipeliner would stage the codebook gathers too
     )
     on_grid(_merge_splits_kernel, (batch, num_heads))(

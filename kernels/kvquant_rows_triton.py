@@ -1,7 +1,7 @@
 """Triton device functions reading one KV head's share of a kvquant pool row: code groups and their codebook entries
-(two codes a load, from a pair table), the block's key channel ranges, cache prefetches (the value outliers are read
-by the kernel itself). Called by `kernels.kvquant_attention_triton`, which jits them through `load_triton`; the row
-layout is `kernels.kvquant_layout`.
+(two codes a load, from a pair table), the block's key channel ranges, the value outliers' scatter (`_value_outliers`,
+by a small dot), the rotated query-key sum of the MHA scoring (`rotated_dot`), cache prefetches. Called by
+`kernels.kvquant_attention_triton`, which jits them through `load_triton`; the row layout is `kernels.kvquant_layout`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,39 @@ from kernels.backend import jit_into
 
 triton: Any = None  # bound by load_triton, as in kernels.paged_attention_triton
 tl: Any = None
+
+
+def _dot(a, b, like_ptr, DOT_F32: tl.constexpr):
+    # Operands in the query's dtype (fp16/bf16 MMA, fp32 accumulate); fp32 exact (the interpreter's bf16 too).
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(like_ptr.dtype.element_ty), b.to(like_ptr.dtype.element_ty))
+
+
+def _value_outliers(p, row16_ptr, kv_head, num_outliers, v_index_offset, v_corr_offset, like_ptr,
+                    M: tl.constexpr, T: tl.constexpr, D: tl.constexpr, N_PAD: tl.constexpr, DOT_F32: tl.constexpr):
+    # [M, D]: p[t] * c added at channel d for each of the head's value outliers (t * D + d, c), all N_PAD (>= n) of
+    # them in one pass. The weight w_j = p[t_j] * c_j is a gather of p; the scatter of w into the D channels is a
+    # dot with the channel split as d = 16 a + b: out[(m, a), b] = sum_j (w[m, j] [a_j = a]) [b_j = b], two one-hots
+    # of N_PAD * (M * D / 16 + 16) elements instead of N_PAD * D. Rows m >= M pad the dot to 16 rows.
+    j = tl.arange(0, N_PAD)
+    is_real = j < num_outliers
+    at = kv_head * num_outliers + j
+    index = tl.load(row16_ptr + v_index_offset // 2 + at, mask=is_real, other=0.0).to(tl.int16, bitcast=True)
+    index = index.to(tl.int32) & 0xFFFF  # uint16 t * D + d; padding: 0 with a zero correction
+    corr = tl.load(row16_ptr + v_corr_offset // 2 + at, mask=is_real, other=0.0).to(tl.float32)
+    w = tl.gather(p, tl.broadcast_to((index // D)[None, :], [M, N_PAD]), 1) * corr[None, :]  # [M, N_PAD]
+    A: tl.constexpr = D // 16
+    M_EFF: tl.constexpr = M if M * A >= 16 else 16 // A
+    m3 = tl.arange(0, M_EFF)[:, None, None]
+    a_hit = (index[None, None, :] // 16 % A == tl.arange(0, A)[None, :, None]) & (m3 < M)
+    w_a = tl.reshape(tl.where(a_hit, w[:, None, :], 0.0), [M_EFF * A, N_PAD])
+    b_hit = (index[:, None] % 16 == tl.arange(0, 16)[None, :]).to(tl.float32)  # [N_PAD, 16]
+    out = tl.reshape(_dot(w_a, b_hit, like_ptr, DOT_F32), [M_EFF, D])
+    if M_EFF != M:  # one real row: the padding rows are zero
+        out = tl.sum(out, 0)[None, :]
+    return out
 
 
 def load_words(byte_ptr, word_index, BITS: tl.constexpr):
@@ -48,6 +81,28 @@ def decode_groups(word, pair_ptr, BITS: tl.constexpr, GROUP: tl.constexpr):
     return tl.reshape(values, [word.shape[0], word.shape[1] * GROUP])
 
 
+def rotated_dot(c, k, s, n, GROUP: tl.constexpr):
+    # sum over columns of c * k + s * n, [R, C] tiles from `decode_groups` -> [R]: the columns a thread holds (a
+    # group's, register order 4 e + 2 kh + kl) split apart by reshapes and splits (no data movement) and added by
+    # one FFMA chain, instead of a multiply, an FFMA and an add a column
+    if GROUP == 8:
+        shape: tl.constexpr = [c.shape[0], c.shape[1] // 8, 2, 2, 2]
+        (c01, c23), (k01, k23) = tl.split(tl.reshape(c, shape)), tl.split(tl.reshape(k, shape))
+        (s01, s23), (n01, n23) = tl.split(tl.reshape(s, shape)), tl.split(tl.reshape(n, shape))
+        (c0, c1), (c2, c3), (k0, k1), (k2, k3) = tl.split(c01), tl.split(c23), tl.split(k01), tl.split(k23)
+        (s0, s1), (s2, s3), (n0, n1), (n2, n3) = tl.split(s01), tl.split(s23), tl.split(n01), tl.split(n23)
+        part = c1 * k1 + (s1 * n1 + (c0 * k0 + s0 * n0))
+        part = c3 * k3 + (s3 * n3 + (c2 * k2 + (s2 * n2 + part)))
+        return tl.sum(tl.sum(part, 2), 1)
+    elif GROUP == 4:
+        shape4: tl.constexpr = [c.shape[0], c.shape[1] // 4, 2, 2]
+        (c0, c1), (k0, k1) = tl.split(tl.reshape(c, shape4)), tl.split(tl.reshape(k, shape4))
+        (s0, s1), (n0, n1) = tl.split(tl.reshape(s, shape4)), tl.split(tl.reshape(n, shape4))
+        return tl.sum(tl.sum(c1 * k1 + (s1 * n1 + (c0 * k0 + s0 * n0)), 2), 1)
+    else:
+        return tl.sum(c * k + s * n, 1)
+
+
 def key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr, D: tl.constexpr):
     # One half of a head's key channels in the block: centre and half-range [D / 2], fp32, from the row's K low and
     # K high grid points and the channels' grid base, step [D / 2] (`shared.kvcompress.kvquant.block_key_range`).
@@ -62,7 +117,7 @@ def key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: t
 
 
 def dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr,
-               BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr):
+               BITS: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, APPLY: tl.constexpr = True):
     # One half (HALF = 0 or 1) of a head's pre-RoPE keys [T, D / 2], fp32: codebook[code] * half-range + centre in
     # each channel, by the block's own range (`key_range`); base, step [D / 2]: that half's grid; key_pairs_ptr: the
     # key codebook's pair table (`decode_groups`)
@@ -70,18 +125,18 @@ def dense_keys(row_ptr, key_pairs_ptr, k_low_offset, k_high_offset, base, step, 
     toks, cols = tl.arange(0, T), tl.arange(0, words)
     word_index = (kv_head * T + toks[:, None]) * (D // GROUP) + HALF * words + cols[None, :]
     units = decode_groups(load_words(row_ptr, word_index, BITS), key_pairs_ptr, BITS, GROUP)
-    center, half = key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF, D)
-    return units * half[None, :] + center[None, :]
+    if APPLY:
+        center, half = key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF, D)
+        units = units * half[None, :] + center[None, :]
+    return units
 
 
-def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers, v_codes_offset, k_low_offset,
-                   k_high_offset, v_center_offset, v_index_offset, v_corr_offset, BITS: tl.constexpr,
-                   T: tl.constexpr, D: tl.constexpr, LINES: tl.constexpr):
-    # A cache hint for every 128-byte line one KV head reads of the sequence's block `index`: its K and V codes, K
-    # low and high, V centre and half-range, V outlier index and corrections. One [8, LINES] tile of addresses,
-    # section by row (LINES covers the longest, unaligned): a prefetch instruction or two a thread. PTX,
-    # so GPU only (the interpreter cannot run inline assembly; the kernels skip this there)
-    row_ptr = pool_ptr + tl.load(table_ptr + index).to(tl.int64) * row_bytes
+def prefetch_offsets(kv_head, num_outliers, v_codes_offset, k_low_offset, k_high_offset, v_center_offset,
+                     v_index_offset, v_corr_offset, BITS: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+                     LINES: tl.constexpr):
+    # [8, LINES] byte offsets in a pool row of every 128-byte line one KV head reads of a block (`prefetch_block`):
+    # its K and V codes, K low and high, V centre and half-range, V outlier index and corrections, a section a row
+    # (LINES covers the longest, unaligned). The same for every block: worked out once a program
     head_bytes: tl.constexpr = T * D * BITS // 8
     sec = tl.arange(0, 8)[:, None]
     outliers = kv_head * num_outliers * 2
@@ -89,12 +144,20 @@ def prefetch_block(table_ptr, index, pool_ptr, row_bytes, kv_head, num_outliers,
             tl.where(sec == 2, k_low_offset + kv_head * D, tl.where(sec == 3, k_high_offset + kv_head * D,
             tl.where(sec == 4, v_center_offset, tl.where(sec == 5, v_index_offset, v_corr_offset) + outliers)))))
     size = tl.where(sec < 2, head_bytes, tl.where(sec < 4, D, tl.where(sec == 4, 4 * T, num_outliers * 2)))
-    addr = row_ptr + start + tl.minimum(tl.arange(0, LINES)[None, :] * 128, tl.maximum(size - 1, 0))
+    return start + tl.minimum(tl.arange(0, LINES)[None, :] * 128, tl.maximum(size - 1, 0))
+
+
+def prefetch_block(table_ptr, index, pool_ptr, row_bytes, offsets):
+    # A cache hint for each of the row offsets [8, LINES] (`prefetch_offsets`) of the sequence's block `index`: a
+    # prefetch instruction or two a thread. PTX, so GPU only (the interpreter cannot run inline assembly; the
+    # kernels skip this there)
+    addr = pool_ptr + tl.load(table_ptr + index).to(tl.int64) * row_bytes + offsets
     tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
-_FUNCTIONS = (load_words, _pair, decode_groups, key_range, dense_keys, prefetch_block)
+_FUNCTIONS = (_dot, _value_outliers, load_words, _pair, decode_groups, rotated_dot, key_range, dense_keys,
+              prefetch_offsets, prefetch_block)
 
 
 def load_triton() -> None:
