@@ -11,9 +11,9 @@ unnormalised output). GQA rows are padded to 16 for tl.dot (USE_DOT); with one q
 products are elementwise in the K and V tiles' own layouts and summed (`_scores`, `_weighted`): no MMA padding rows,
 no operand layout conversions. Per packed block it reads only that row's bytes:
 - Codes are read as whole lcm(b, 8)-bit groups and looked up two at a time in a pair table (fp32 [4**b, 2], entry
-  c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one 8-byte load per codes k
-  and k + group / 2, joined so that each thread's registers run in channel order (then the per-channel vectors it
-  meets, RoPE rows and key ranges, load and convert as whole vectors). A key is codebook * half-range + centre of
+  c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one 8-byte load per adjacent
+  codes 2k, 2k + 1, whose 2b bits in the group are the entry's index as they stand (one shift and mask), the loads
+  joined and permuted into channel order (`decode_groups`). A key is codebook * half-range + centre of
   its channel's range in the block, which the block's K low and K high bytes place on the channel's grid (the
   grid's base and step, [D] fp32 each, are loaded once per program); centre and half-range are worked out once a
   channel in a compact layout and only then spread over the key tile (`key_range`).
