@@ -10,13 +10,13 @@ fp16 tail one more; the sink goes to the split holding block 0); a small second 
 unnormalised output). GQA rows are padded to 16 for tl.dot (USE_DOT); with one query head per KV head (MHA) the
 products are elementwise in the K and V tiles' own layouts and summed (`_scores`, `_weighted`): no MMA padding rows,
 no operand layout conversions. Per packed block it reads only that row's bytes:
-- Codes are read as whole lcm(b, 8)-bit groups and looked up two at a time in a pair table (fp32 [4**b, 2], entry
-  c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one 8-byte load per adjacent
-  codes 2k, 2k + 1, whose 2b bits in the group are the entry's index as they stand (one shift and mask), the loads
-  joined and permuted into channel order (`decode_groups`). A key is codebook * half-range + centre of
-  its channel's range in the block, which the block's K low and K high bytes place on the channel's grid (the
-  grid's base and step, [D] fp32 each, are loaded once per program); centre and half-range are worked out once a
-  channel in a compact layout and only then spread over the key tile (`key_range`).
+- Codes are read as whole groups (8 codes, b bytes, at b = 3 or 4; else a byte) and looked up two at a time in a pair
+  table (fp32 [4**b, 2], entry c1 << b | c0 = (codebook[c0], codebook[c1]), `KvQuantLayerParams.*_pair_codebook`): one
+  8-byte load per adjacent codes 2k, 2k + 1, whose 2b bits in the group are the entry's index as they stand (one shift
+  and mask), the loads joined and permuted into channel order (`decode_groups`). A key is codebook * half-range + centre
+  of its channel's range in the block, which the block's K low and K high bytes place on the channel's grid (the grid's
+  base and step, [D] fp32 each, are loaded once per program); centre and half-range are worked out once a channel in a
+  compact layout and only then spread over the key tile (`key_range`).
 - RoPE without a [T, D/2] table read per block: R(p0 + t) = R(p0) R(t), so the query is turned back by the block's
   base angle (one cos/sin row) and the keys rotated by the in-block offsets t < T, whose table rows stay in
   registers across blocks. (cos(a + b) by angle addition differs from the table's cos((p0 + t) theta) by the fp32
@@ -371,7 +371,7 @@ def kvquant_decode_attention_triton(
     q = q if q.stride(2) == 1 else q.contiguous()
     tail_k, tail_v, sink_k, sink_v = (t.contiguous() for t in dense)  # no copies for the engine's buffers
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    group = math.lcm(layout.bits, 8) // layout.bits
+    group = 8 if layout.bits == 4 else math.lcm(layout.bits, 8) // layout.bits  # `load_words`: 4 bits, 4 bytes
     groups = num_heads // layout.kv_heads
     m_pad = triton.next_power_of_2(groups)
     on_grid(_kvquant_decode_kernel, (batch, layout.kv_heads, num_splits))(

@@ -48,11 +48,16 @@ def _value_outliers(p, row16_ptr, kv_head, num_outliers, v_index_offset, v_corr_
 
 
 def load_words(byte_ptr, word_index, BITS: tl.constexpr):
-    # word_index [R, W] -> those lcm(BITS, 8)-bit little-endian groups of codes, int32 [R, W]
-    if BITS == 3:
-        base = byte_ptr + word_index * 3
+    # word_index [R, W] -> little-endian groups of codes, int32 [R, W]: at 3 and 4 bits 8 codes (BITS bytes: two
+    # 4-bit groups of the layout's bytes a word, so GROUP = 8 takes the same adjacent-pair path as 3 bits, without
+    # GROUP = 2's reshape through shared memory), else lcm(BITS, 8) bits (a byte)
+    if BITS == 3 or BITS == 4:
+        base = byte_ptr + word_index * BITS
         word = tl.load(base).to(tl.int32) | (tl.load(base + 1).to(tl.int32) << 8)
-        return word | (tl.load(base + 2).to(tl.int32) << 16)
+        word = word | (tl.load(base + 2).to(tl.int32) << 16)
+        if BITS == 4:
+            word = word | (tl.load(base + 3).to(tl.int32) << 24)
+        return word
     else:
         return tl.load(byte_ptr + word_index).to(tl.int32)
 
