@@ -14,24 +14,20 @@ import torch
 from kernels.backend import KernelBackend
 from kernels.kvquant_layout import KvQuantLayerParams
 from kernels.kvquant_pack_triton import kvquant_pack_triton
+from shared.kvcompress.kvquant import value_rank
 
 
 def select_outliers(v: torch.Tensor, params: KvQuantLayerParams, *, starts_sequence: bool = False) -> torch.Tensor:
     """Per (block, KV head), the flat indices t * D + d of the n value outliers, ascending.
 
-    The codec's ranking: a value's distance from its token's mean (over every head) in token standard deviations;
-    with `starts_sequence` (every block) token 0, the sink, is never an outlier.
+    The codec's ranking (`shared.kvcompress.kvquant.value_rank`); with `starts_sequence` (every block) token 0, the
+    sink, is never an outlier.
     Args:
         v: [B, H, T, D].
     Returns:
         int64 [B, H, n].
     """
-    v32 = v.float()
-    mean = v32.mean(dim=(1, 3), keepdim=True)
-    std = v32.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
-    rank = (v32 - mean).abs() / std
-    if starts_sequence:
-        rank[:, :, 0] = -1.0
+    rank = value_rank(v, starts_sequence)
     n = params.layout.num_outliers
     if not n:
         return torch.empty(*rank.shape[:2], 0, dtype=torch.int64, device=rank.device)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 from shared.engine.config import DTYPES, EngineConfig
 from shared.kvcompress import CODEC_NAMES
@@ -37,6 +42,28 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
         "--threads", type=threads_arg, default=0, help="CPU threads for torch (default: torch's choice)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def log(text: str) -> None:
+    """A progress line on stderr (stdout stays the result)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def emit_eval_result(
+    result: dict[str, Any], args: argparse.Namespace, started: float, window_tokens: int,
+    print_table: Callable[[dict[str, Any]], None],
+) -> int:
+    """Finish a `tsukimi eval` command: say when the text held fewer windows than asked for, add the text and the
+    elapsed seconds (since `started`, a perf_counter) to `result`, and print it as JSON (--json) or a table."""
+    if result["num_windows"] < args.windows:
+        log(f"the evaluation span holds only {result['num_windows']} of the {args.windows} windows of "
+            f"{window_tokens} tokens asked for")
+    result |= {"text": args.text, "elapsed_s": round(time.perf_counter() - started, 1)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 0
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -8,14 +8,12 @@ measurement is `shared.fastgen.evaluate`'s.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from typing import Any
 
 import torch
 
-from shared.cli.common import CliError, add_eval_args, positive_int
+from shared.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import FastGenSettings, Policy
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
@@ -63,10 +61,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def _settings(args: argparse.Namespace) -> tuple[FastGenSettings, WindowSpec]:
     try:
         settings = FastGenSettings(args.threshold, args.r_local, args.r_frequent, args.profile_rows)
@@ -82,24 +76,16 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    _log("loading the model...")
+    log("loading the model...")
     try:
         checkpoint = load_checkpoint(args.model)
         tokens = read_tokens(args.text, checkpoint.tokenizer)
         result = evaluate_fastgen(
-            checkpoint, tokens, settings, spec, progress=lambda index, count: _log(f"window {index}/{count}")
+            checkpoint, tokens, settings, spec, progress=lambda index, count: log(f"window {index}/{count}")
         )
     except (FileNotFoundError, ValueError) as exc:  # TextSpanError is a ValueError
         raise CliError(str(exc)) from None
-    if result["num_windows"] < args.windows:
-        _log(f"the evaluation span holds only {result['num_windows']} of the {args.windows} windows of "
-             f"{spec.window_len} tokens asked for")
-    result |= {"text": args.text, "elapsed_s": round(time.perf_counter() - start, 1)}
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print_table(result)
-    return 0
+    return emit_eval_result(result, args, start, spec.window_len, _print_table)
 
 
 def _print_table(result: dict[str, Any]) -> None:

@@ -7,15 +7,13 @@ Owns the `eval` command and its `kv` subcommand: arguments and output. Which cal
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shared.cli.common import CliError, add_eval_args, positive_int
+from shared.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
 from shared.kvcompress.bundled import resolve_calibration
 from shared.kvcompress.calibration import KvCalibrationError, load_calibration
 from shared.kvcompress.evaluate import evaluate_codec
@@ -49,10 +47,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def _calibration_path(args: argparse.Namespace) -> Path | None:
     """--codec's calibration file: --kv-calib, else the one bundled for the default model (`bundled`); CliError if
     the codec needs one and there is none, or --kv-calib is given to a codec that takes none."""
@@ -74,27 +68,19 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    _log("loading the model...")
+    log("loading the model...")
     try:
         calibration = None if calibration_path is None else load_calibration(calibration_path)
         checkpoint = load_checkpoint(args.model)
         tokens = read_tokens(args.text, checkpoint.tokenizer)
         result = evaluate_codec(
             checkpoint, args.codec, calibration, tokens, args.ctx, args.windows, args.block_size,
-            progress=lambda index, count: _log(f"window {index}/{count}"),
+            progress=lambda index, count: log(f"window {index}/{count}"),
         )
     except (FileNotFoundError, ValueError) as exc:  # TextSpanError and KvCalibrationError are ValueErrors
         raise CliError(str(exc)) from None
-    if result["num_windows"] < args.windows:
-        _log(f"the evaluation span holds only {result['num_windows']} of the {args.windows} windows of {args.ctx}"
-             " tokens asked for")
-    kv_calib = None if calibration_path is None else str(calibration_path)
-    result |= {"text": args.text, "kv_calib": kv_calib, "elapsed_s": round(time.perf_counter() - start, 1)}
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print_table(result)
-    return 0
+    result["kv_calib"] = None if calibration_path is None else str(calibration_path)
+    return emit_eval_result(result, args, start, args.ctx, _print_table)
 
 
 def _print_table(result: dict[str, Any]) -> None:

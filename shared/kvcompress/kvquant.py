@@ -84,6 +84,7 @@ class KvQuantCodec(KvCodec):
         self.keys_before_rope = True
         self.key_center, self.key_scale = key_center.float().cpu(), key_scale.float().cpu()
         self.key_codebook, self.value_codebook = key_codebook.float().cpu(), value_codebook.float().cpu()
+        self.key_grid_base, self.key_grid_step = key_grid(self.key_center, self.key_scale)  # what decode reads
 
     # --- the KvCodec byte interface (one block) -------------------------------------------------------------------
 
@@ -196,8 +197,9 @@ class KvQuantCodec(KvCodec):
         device = blocks.k_codes.device
         k_codes = unpack_rows(blocks.k_codes, count, self.bits).reshape(shape).long()
         v_codes = unpack_rows(blocks.v_codes, count, self.bits).reshape(shape).long()
-        base, step = key_grid(self.key_center.to(device), self.key_scale.to(device))
-        center, half = block_key_range(base, step, blocks.k_low, blocks.k_high)
+        center, half = block_key_range(
+            self.key_grid_base.to(device), self.key_grid_step.to(device), blocks.k_low, blocks.k_high
+        )
         k = self.key_codebook.to(device)[k_codes] * half[:, :, None, :] + center[:, :, None, :]
         v_center = blocks.v_center.float()[:, None, :, None]
         v = self.value_codebook.to(device)[v_codes] * blocks.v_scale.float()[:, None, :, None] + v_center
@@ -257,14 +259,22 @@ def normalize_blocks(
     k_low, k_high = _key_range_points(k, sink, base, step)
     center, half = block_key_range(base, step, k_low, k_high)
     k_norm = (k - center[:, :, None, :]) / half[:, :, None, :]
-    mean = v.mean(dim=(1, 3), keepdim=True)
-    std = v.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
-    v_rank = (v - mean).abs() / std
-    if starts_sequence:
-        v_rank[:, :, 0] = -1.0
+    v_rank = value_rank(v, starts_sequence)
     v_center, v_scale = _token_range(v, top_mask(v_rank, n))
     v_norm = (v - v_center.float()[:, None, :, None]) / v_scale.float()[:, None, :, None]
     return NormalizedBlocks(k_norm, v_norm, v_rank, k_low, k_high, v_center, v_scale)
+
+
+def value_rank(v: torch.Tensor, starts_sequence: bool) -> torch.Tensor:
+    """fp32 [B, H, T, D]: how far out each value is, its distance from its token's mean (over every head) in token
+    standard deviations; a sequence's first token (the sink) gets -1, never an outlier."""
+    v = v.float()
+    mean = v.mean(dim=(1, 3), keepdim=True)
+    std = v.std(dim=(1, 3), keepdim=True, correction=0).clamp_min(1e-6)
+    rank = (v - mean).abs() / std
+    if starts_sequence:
+        rank[:, :, 0] = -1.0
+    return rank
 
 
 def _key_range_points(

@@ -16,8 +16,8 @@ import torch
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
 from shared.kvcompress.text_spans import TextSpanError
-from shared.model.checkpoint import Checkpoint, expected_shapes
 from shared.model.config import LlamaConfig
+from tests.cli.tiny_model import tiny_checkpoint
 
 TINY = LlamaConfig(
     vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -28,23 +28,13 @@ SPEC = WindowSpec(prompt_len=24, gen_len=8, num_windows=2)
 FIGURES = {"ppl", "rel_ppl_increase", "kv_kept_fraction", "top1_agreement", "kl"}
 
 
-def tiny_checkpoint() -> Checkpoint:
-    g = torch.Generator().manual_seed(0)
-    state_dict = {name: torch.randn(shape, generator=g) * 0.2 for name, shape in expected_shapes(TINY).items()}
-    for name in state_dict:
-        if name.endswith("norm.weight"):
-            state_dict[name] = torch.ones_like(state_dict[name])
-    no_tokenizer: Any = None  # the harness is given the token classes instead
-    return Checkpoint(TINY, state_dict, no_tokenizer, fingerprint="0" * 16, path=Path("tiny"))
-
-
 def text_tokens(count: int, seed: int = 1) -> list[int]:
     return torch.randint(0, TINY.vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def tiny_run(threshold: float, tokens: list[int] | None = None, spec: WindowSpec = SPEC) -> dict[str, Any]:
     tokens = text_tokens(200) if tokens is None else tokens
-    return evaluate_fastgen(tiny_checkpoint(), tokens, FastGenSettings(threshold), spec, classes=TINY_CLASSES)
+    return evaluate_fastgen(tiny_checkpoint(TINY), tokens, FastGenSettings(threshold), spec, classes=TINY_CLASSES)
 
 
 # ---- the harness ---------------------------------------------------------------------------------------------------
@@ -93,7 +83,7 @@ def test_windows_are_capped_by_the_span_and_bad_lengths_raise() -> None:
     with pytest.raises(ValueError, match="positions"):
         tiny_run(0.9, spec=WindowSpec(200, 100, 1))
     with pytest.raises(ValueError, match="profile"):
-        evaluate_fastgen(tiny_checkpoint(), text_tokens(200), FastGenSettings(profile_rows=25), SPEC,
+        evaluate_fastgen(tiny_checkpoint(TINY), text_tokens(200), FastGenSettings(profile_rows=25), SPEC,
                          classes=TINY_CLASSES)
 
 

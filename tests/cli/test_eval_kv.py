@@ -18,8 +18,8 @@ from shared.kvcompress.calibration import KvCalibrationError
 from shared.kvcompress.evaluate import evaluate_codec
 from shared.kvcompress.registry import get_codec
 from shared.kvcompress.text_spans import TextSpanError
-from shared.model.checkpoint import Checkpoint, expected_shapes
 from shared.model.config import LlamaConfig
+from tests.cli.tiny_model import tiny_checkpoint
 
 TINY = LlamaConfig(
     vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -29,15 +29,6 @@ PROSE = (
     "The river ran slowly past the old mill, where the miller's daughter kept the accounts in a green ledger. "
     "Every spring the water rose, and every autumn the farmers brought their grain, arguing about the price. "
 )
-
-
-def tiny_checkpoint() -> Checkpoint:
-    g = torch.Generator().manual_seed(0)
-    state_dict = {name: torch.randn(shape, generator=g) * 0.2 for name, shape in expected_shapes(TINY).items()}
-    for name in state_dict:
-        if name.endswith("norm.weight"):
-            state_dict[name] = torch.ones_like(state_dict[name])
-    return Checkpoint(TINY, state_dict, tokenizer=None, fingerprint="0" * 16, path=Path("tiny"))  # type: ignore[arg-type]
 
 
 def text_tokens(count: int, seed: int = 1) -> list[int]:
@@ -50,7 +41,7 @@ def text_tokens(count: int, seed: int = 1) -> list[int]:
 def test_fp16_against_itself_is_exact() -> None:
     calls: list[tuple[int, int]] = []
     result = evaluate_codec(
-        tiny_checkpoint(), "fp16", None, text_tokens(400), 64, 2, 16, progress=lambda *a: calls.append(a)
+        tiny_checkpoint(TINY), "fp16", None, text_tokens(400), 64, 2, 16, progress=lambda *a: calls.append(a)
     )
     assert calls == [(1, 2), (2, 2)]
     assert result["ppl"] == result["ppl_fp16"] and result["rel_ppl_increase"] == 0
@@ -61,7 +52,7 @@ def test_fp16_against_itself_is_exact() -> None:
 
 
 def test_a_lossy_codec_moves_the_distribution_and_compresses_as_it_says() -> None:
-    result = evaluate_codec(tiny_checkpoint(), "kivi-2", None, text_tokens(400), 64, 2, 16)
+    result = evaluate_codec(tiny_checkpoint(TINY), "kivi-2", None, text_tokens(400), 64, 2, 16)
     assert result["kl"] > 0 and result["ppl"] != result["ppl_fp16"]
     assert result["rel_ppl_increase"] == pytest.approx(result["ppl"] / result["ppl_fp16"] - 1)
     assert 0 <= result["top1_agreement"] <= 1
@@ -76,15 +67,15 @@ def test_only_the_evaluation_span_is_read() -> None:
     """The first 30% of the text is the calibration span: changing it changes nothing."""
     tokens = text_tokens(300)
     other = [7] * 90 + tokens[90:]  # int(300 * 0.3) = 90
-    first = evaluate_codec(tiny_checkpoint(), "kivi-2", None, tokens, 64, 3, 16)
-    second = evaluate_codec(tiny_checkpoint(), "kivi-2", None, other, 64, 3, 16)
+    first = evaluate_codec(tiny_checkpoint(TINY), "kivi-2", None, tokens, 64, 3, 16)
+    second = evaluate_codec(tiny_checkpoint(TINY), "kivi-2", None, other, 64, 3, 16)
     assert first == second and first["num_windows"] == 3
     changed = tokens[:200] + [7] * 100
-    assert evaluate_codec(tiny_checkpoint(), "kivi-2", None, changed, 64, 3, 16)["ppl"] != first["ppl"]
+    assert evaluate_codec(tiny_checkpoint(TINY), "kivi-2", None, changed, 64, 3, 16)["ppl"] != first["ppl"]
 
 
 def test_windows_are_capped_by_the_span_and_bad_settings_raise() -> None:
-    checkpoint = tiny_checkpoint()
+    checkpoint = tiny_checkpoint(TINY)
     assert evaluate_codec(checkpoint, "int8", None, text_tokens(300), 100, 9, 16)["num_windows"] == 2
     with pytest.raises(TextSpanError):
         evaluate_codec(checkpoint, "int8", None, text_tokens(100), 100, 1, 16)
