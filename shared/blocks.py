@@ -74,6 +74,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, int] = OrderedDict()  # block id -> hash, least recently freed first
         self._index: dict[int, int] = {}  # block hash -> block id
         self._seqs: dict[Hashable, _Seq] = {}
+        self._raw: set[int] = set()  # blocks handed out whole by `take_raw`, outside any sequence
         self._num_evictions = 0
         self._num_reused_blocks_total = 0
         self.on_event = on_event
@@ -272,6 +273,26 @@ class BlockManager:
             else:
                 self._evictable[block_id] = block_hash
 
+    def take_raw(self, count: int) -> list[int]:
+        """Hand out ``count`` blocks that belong to no sequence and are never registered (storage a caller lays out
+        its own way, e.g. FastGen's per-head lanes); they count as used until ``give_back_raw``.
+
+        Raises:
+            OutOfBlocks: fewer than ``count`` free blocks; no state changes.
+        """
+        if count > self.num_free_blocks:
+            raise OutOfBlocks(f"{count} raw blocks wanted, {self.num_free_blocks} free")
+        taken = self._take_fresh(count)
+        self._raw.update(taken)
+        return taken
+
+    def give_back_raw(self, block_ids: Sequence[int]) -> None:
+        """Return blocks from ``take_raw`` to the free list. Raises KeyError for a block not handed out raw."""
+        for block_id in block_ids:
+            self._raw.remove(block_id)
+            self._ref_counts[block_id] = 0
+            self._free.append(block_id)
+
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
@@ -351,6 +372,9 @@ class BlockManager:
             self._check_seq(seq_id, seq)
             for block_id in seq.block_ids:
                 holders[block_id] += 1
+        for block_id in self._raw:
+            holders[block_id] += 1
+            _require(self._block_hash[block_id] is None, f"raw block {block_id} is registered")
         _require(holders == self._ref_counts, f"ref counts {self._ref_counts} != table holders {holders}")
         free, evictable = set(self._free), set(self._evictable)
         referenced = {b for b in range(self._num_blocks) if self._ref_counts[b] > 0}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.blocks import BlockManager, OutOfBlocks
 from shared.engine.prefix_load import PrefixLoad
@@ -31,6 +32,18 @@ class ScheduledChunk:
         """Keys this chunk's tokens attend to, summed: each new token sees every earlier token and itself."""
         n, before = self.num_tokens, self.seq.num_computed_tokens
         return n * before + n * (n + 1) // 2
+
+
+class LaneHolder(Protocol):
+    """Sequences whose KV is held outside the block manager (FastGen's lanes): room is reserved and freed there."""
+
+    def holds(self, request_id: str) -> bool: ...
+
+    def reserve(self, request_id: str) -> bool:
+        """Room for one more token; False when there is none now."""
+        ...
+
+    def release(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.lanes: LaneHolder | None = None  # set when some sequences keep their KV in lanes
 
     def add(self, seq: Sequence) -> None:
         needed = -(-seq.num_tokens // self.block_manager.block_size)
@@ -86,8 +100,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._free_kv(seq)
+
+    def _free_kv(self, seq: Sequence) -> None:
         if seq.request_id in self.block_manager:
             self.block_manager.free(seq.request_id)
+        if self.lanes is not None:
+            self.lanes.release(seq.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -137,7 +156,15 @@ class Scheduler:
         return source.num_tokens
 
     def _reserve_slots(self, seq: Sequence, preempted: list[Sequence]) -> bool:
-        """Make the block table cover every known token, preempting later sequences if needed."""
+        """Make the block table (or the lanes) cover every known token, preempting later sequences if needed."""
+        if self.lanes is not None and self.lanes.holds(seq.request_id):
+            while not self.lanes.reserve(seq.request_id):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+            return True
         missing = seq.token_ids[self.block_manager.num_tokens(seq.request_id) :]
         while missing and not self.block_manager.can_append(seq.request_id, len(missing)):
             victim = self.running[-1]
@@ -152,7 +179,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         _end_load(seq)
         self.running.remove(seq)
-        self.block_manager.free(seq.request_id)
+        self._free_kv(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -173,7 +200,7 @@ class Scheduler:
                 restarted.append(seq)
                 continue
             seq.num_computed_tokens += chunk.num_tokens
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and seq.request_id in self.block_manager:
                 self.block_manager.mark_computed(seq.request_id, seq.num_computed_tokens)
             if load is not None:
                 self.block_manager.finish_loading(seq.request_id)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from shared.fastgen.policies import FastGenSettings
 from shared.kvcompress import CODEC_NAMES, KvCalibrationError
 from shared.kvcompress.bundled import calibration_digest, resolve_calibration
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_POLICIES = ("full", "fastgen")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class EngineConfig:
         kv_codec: "none" (the pool holds K/V tensors of `dtype`) or a codec of `shared.kvcompress` (full blocks are
             stored as the codec's bytes, each sequence's last, partial block in `dtype`).
         kv_calib: the calibration file of a `kvquant-*` codec (default: the one shipped for SmolLM2).
+        kv_policy: "full" (every token's KV stays) or "fastgen" (each KV head keeps what its profiled policy keeps:
+            `shared.fastgen`), with `fastgen`'s T, r_l, r_f and profiled rows.
     Raises:
         ValueError: an unknown dtype or codec, a setting out of range, or a codec without the calibration it needs.
     """
@@ -46,8 +50,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_codec: str = "none"
     kv_calib: str | None = None
+    kv_policy: str = "full"
+    fastgen: FastGenSettings = field(default_factory=FastGenSettings)
 
     def __post_init__(self) -> None:
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"unknown KV policy {self.kv_policy!r}: choose one of {', '.join(KV_POLICIES)}")
+        if self.kv_policy == "fastgen" and self.kv_codec != "none":
+            raise ValueError(f"FastGen does not run over a KV codec yet ({self.kv_codec}): use kv_codec none")
         if self.kv_codec != "none" and self.kv_codec not in CODEC_NAMES:
             raise ValueError(f"unknown KV codec {self.kv_codec!r}: choose none or one of {', '.join(CODEC_NAMES)}")
         if self.kv_codec != "none":

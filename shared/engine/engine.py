@@ -21,6 +21,8 @@ from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
+from shared.fastgen.engine_kv import FastGenKv
+from shared.fastgen.policies import TokenClasses
 from shared.kv_wire_packed import PackedFormat, PackedLayerKv, PackedPromptKv
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -114,6 +116,18 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generate_ids = itertools.count()
         self.last_step: StepStats | None = None  # set by every step that ran a forward pass
+        self.fastgen = self._attach_fastgen(checkpoint) if self.config.kv_policy == "fastgen" else None
+
+    def _attach_fastgen(self, checkpoint: Checkpoint) -> FastGenKv:
+        """FastGen's lanes over this engine's pool and blocks. Raises ValueError for a pool it cannot run on."""
+        pool = self.runner.pool
+        if not isinstance(self.runner, ModelRunner) or not isinstance(pool, KVPool):
+            raise ValueError("FastGen runs on the model runner over a raw KV pool (no KV codec, not the sim engine)")
+        classes = TokenClasses.from_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        fastgen = FastGenKv(self.config.fastgen, classes, self.block_manager, pool.tensor, self.runner.scale)
+        self.runner.fastgen = fastgen
+        self.scheduler.lanes = fastgen
+        return fastgen
 
     @classmethod
     def from_path(cls, model_path: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
@@ -173,7 +187,8 @@ class LLMEngine:
         if not plan.chunks:
             return []
         started = time.perf_counter()
-        tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks}
+        tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks
+                  if c.seq.request_id in self.block_manager}  # not those in FastGen's lanes
         loads = [c.seq.prefix_load for c in plan.chunks if c.seq.prefix_load is not None]
         num_new, work = sum(c.num_tokens for c in plan.chunks), sum(c.attention_work for c in plan.chunks)
         sampled = self.runner.execute(plan, tables, *self._layer_hooks(plan, loads, on_layer))
@@ -184,6 +199,8 @@ class LLMEngine:
         for request_id, token in sampled.items():
             if request_id not in restarted:
                 outputs.append(self._accept_token(self._seqs[request_id], token))
+        if self.fastgen is not None:  # the prompts it profiled this step leave their blocks for lanes
+            self.fastgen.move_profiled(self._seqs, restarted)
         return outputs
 
     @staticmethod
@@ -292,6 +309,8 @@ class LLMEngine:
         elif isinstance(pool, KVPool):
             pool.write_tokens(block_ids, request.kv, reused // self.config.block_size)
         self.block_manager.mark_computed(request.request_id, len(prompt))
+        if self.fastgen is not None:  # no profile came with the KV: it keeps every token
+            self.fastgen.declined.add(request.request_id)
         seq = Sequence(request.request_id, [*prompt, request.first_token], len(prompt), request.params)
         seq.num_computed_tokens, seq.num_cached_tokens = len(prompt), request.num_cached_tokens
         detokenizer = IncrementalDetokenizer(self.tokenizer)

@@ -15,9 +15,11 @@ from shared.engine.codec_attention import CodecAttention, CodecStepLayout
 from shared.engine.codec_decode import FusedDecode
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
+from shared.engine.fastgen_attention import FastGenAttention, split_chunks
 from shared.engine.kv_cache import KVPool, LayerCallback, PaddedPrefill, PagedAttention, PrefillSegment, StepMetadata
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
+from shared.fastgen.engine_kv import FastGenKv
 from shared.kvcompress import layer_codecs, load_calibration
 from shared.model.checkpoint import Checkpoint
 from shared.model.config import LlamaConfig
@@ -70,6 +72,7 @@ class ModelRunner:
         self.scale = checkpoint.config.head_dim**-0.5
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
+        self.fastgen: FastGenKv | None = None  # set by the engine when it runs FastGen (a raw pool only)
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
@@ -81,8 +84,12 @@ class ModelRunner:
         prefix K/V loaded from outside is in the pool), then `after_layer(layer_idx)` (all of the layer's K/V are in
         the pool), then attention.
         """
-        input_ids, positions, slots = self._flatten(plan.chunks, block_tables)
-        ctx: PagedAttention | CodecAttention
+        chunks, lane_chunks = plan.chunks, list[ScheduledChunk]()
+        if self.fastgen is not None:
+            lane_chunks, paged_chunks = split_chunks(plan.chunks, self.fastgen)
+            chunks = lane_chunks + paged_chunks
+        input_ids, positions, slots = self._flatten(chunks, block_tables)
+        ctx: PagedAttention | CodecAttention | FastGenAttention
         if isinstance(self.pool, CodecKvPool):
             for seq in plan.preempted:
                 self.pool.release(seq.request_id)
@@ -90,11 +97,14 @@ class ModelRunner:
             ctx = CodecAttention(self.pool, layout, self.scale, self.model.rotary, after_layer, before_layer,
                                  self.fused_decode, self.backend)
         else:
-            meta = self._metadata(plan.chunks, block_tables, slots)
+            paged = chunks[len(lane_chunks) :]
+            meta = self._metadata(paged, block_tables, slots)
             ctx = PagedAttention(self.pool, meta, self.scale, self.backend, after_layer, before_layer)
+            if self.fastgen is not None:
+                ctx = FastGenAttention(ctx, self.fastgen, lane_chunks, paged, block_tables, self.pool)
         with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
-            rows, seqs = self._sample_rows(plan.chunks)
+            rows, seqs = self._sample_rows(chunks)
             if not rows:
                 return {}
             logits = self.model.compute_logits(hidden[self._tensor(rows)])
@@ -104,6 +114,8 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+        if self.fastgen is not None:
+            self.fastgen.release(request_id)
         if isinstance(self.pool, CodecKvPool):
             self.pool.release(request_id)
 
@@ -152,11 +164,12 @@ class ModelRunner:
         bs = self.block_size
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
-            table = block_tables[seq.request_id]
             span = range(start, start + chunk.num_tokens)
             input_ids.extend(seq.token_ids[start : start + chunk.num_tokens])
             positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            table = block_tables.get(seq.request_id)  # none for a sequence whose KV is in FastGen's lanes
+            if table is not None:
+                slots.extend(table[p // bs] * bs + p % bs for p in span)
         return input_ids, positions, slots
 
     def _metadata(

@@ -18,20 +18,21 @@ import torch.nn.functional as F
 from shared.fastgen.kept import KeptRule
 
 
-def causal_row_probs(q: torch.Tensor, k: torch.Tensor, first_row: int) -> torch.Tensor:
-    """Causal attention probabilities of query rows first_row.. over every key, softmax in float64.
+def causal_row_probs(q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Causal attention probabilities of the last W query rows over every key, softmax in float64.
 
     Args:
-        q: [n, num_heads, head_dim]; k: [n, num_kv_heads, head_dim] (GQA: query head h reads KV head
-            h // (num_heads / num_kv_heads)).
+        q_rows: [W, num_heads, head_dim], the queries at positions n - W .. n - 1; k: [n, num_kv_heads, head_dim]
+            (GQA: query head h reads KV head h // (num_heads / num_kv_heads)).
     Returns:
-        float64 [num_heads, n - first_row, n]; zero past each row's position.
+        float64 [num_heads, W, n]; zero past each row's position.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q_rows.shape
+    num_tokens = k.shape[0]
     keys = k.repeat_interleave(num_heads // k.shape[1], dim=1).transpose(0, 1)  # [num_heads, n, head_dim]
-    logits = q[first_row:].transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(head_dim)  # [num_heads, W, n]
-    rows = torch.arange(first_row, num_tokens)
-    future = torch.arange(num_tokens)[None, :] > rows[:, None]
+    logits = q_rows.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(head_dim)  # [num_heads, W, n]
+    rows = torch.arange(num_tokens - num_rows, num_tokens, device=k.device)
+    future = torch.arange(num_tokens, device=k.device)[None, :] > rows[:, None]
     return logits.double().masked_fill(future, -math.inf).softmax(dim=-1)
 
 
@@ -59,7 +60,7 @@ class PrefillAttention:
         start = time.perf_counter()
         num_tokens = q.shape[0]
         first_row = num_tokens - min(num_tokens, self.profile_rows or num_tokens)
-        self.observe(layer_idx, causal_row_probs(q, k, first_row))
+        self.observe(layer_idx, causal_row_probs(q[first_row:], k))
         self.profile_s += time.perf_counter() - start
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True

@@ -42,7 +42,7 @@ def top_scored(scores: torch.Tensor, visible: torch.Tensor, counts: torch.Tensor
     """
     ranked = scores.expand(visible.shape).masked_fill(~visible, -math.inf)
     order = ranked.argsort(dim=-1, descending=True, stable=True)  # visible keys first, best first
-    in_budget = torch.arange(visible.shape[-1]) < counts[:, None]  # [R, n], by rank
+    in_budget = torch.arange(visible.shape[-1], device=visible.device) < counts.to(visible.device)[:, None]
     chosen = in_budget & visible.gather(-1, order)
     return torch.zeros_like(visible).scatter(-1, order, chosen)
 
@@ -70,6 +70,30 @@ def policy_masks(
     local = newest(lengths, ratio_budget(settings.r_local, lengths), num_keys)
     kept_local = kept_frequent | (visible & local)
     return torch.stack([kept_special, kept_punct, kept_frequent, kept_local])
+
+
+def kept_entries(
+    policies: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor],
+    scores: torch.Tensor, length: int, settings: FastGenSettings,
+) -> torch.Tensor:
+    """What each KV head keeps of its entries after a step over a sequence `length` tokens long: `policy_masks`'
+    rules for keys stored in any order (the engine's lanes), each entry knowing its position and class.
+
+    Args:
+        policies: long [kv_heads]; positions: long [kv_heads, E]; valid: bool [kv_heads, E], the entries held.
+        classes: (special, punct), bool [kv_heads, E] each; scores: [kv_heads, E], accumulated attention.
+    Returns:
+        bool [kv_heads, E], within `valid`: FULL keeps every valid entry.
+    """
+    special, punct = classes
+    budgets = ratio_budget(settings.r_frequent, torch.tensor([length]))
+    kept_special = valid & special
+    kept_punct = kept_special | (valid & punct)
+    kept_frequent = kept_punct | top_scored(scores[:, None], valid[:, None], budgets)[:, 0]
+    window = int(ratio_budget(settings.r_local, torch.tensor([length]))[0])
+    kept_local = kept_frequent | (valid & (positions >= length - window))
+    options = torch.stack([kept_special, kept_punct, kept_frequent, kept_local, valid])  # indexed by Policy
+    return options[policies, torch.arange(valid.shape[0], device=valid.device)]
 
 
 class KeptRule(Protocol):

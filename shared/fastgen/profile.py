@@ -78,11 +78,15 @@ def profile_layer(
 def choose_policies(lost: torch.Tensor, threshold: float) -> torch.Tensor:
     """The first cheap policy per KV head that loses at most 1 - T of the attention mass, else `Policy.FULL`.
 
+    T = 1 keeps everything: a cheap policy that loses nothing on the prompt may still lose mass as decoding goes on.
+
     Args:
         lost: [len(CHEAP_POLICIES), kv_heads], as `LayerProfile.lost`.
     Returns:
         long [kv_heads].
     """
+    if threshold >= 1:
+        return torch.full(lost.shape[1:], int(Policy.FULL), dtype=torch.long)
     good_enough = torch.cat([lost <= 1 - threshold, torch.ones_like(lost[:1], dtype=torch.bool)])
     return good_enough.int().argmax(dim=0).long()  # argmax of 0/1: the first True (FULL's row is all True)
 

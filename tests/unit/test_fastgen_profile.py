@@ -101,7 +101,7 @@ def test_a_kv_head_serves_its_worst_query_head() -> None:
     }
 
 
-def test_threshold_one_means_full_unless_a_cheaper_policy_loses_nothing() -> None:
+def test_threshold_one_means_full_even_where_a_cheaper_policy_loses_nothing_on_the_prompt() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, N, N, generator=g) * 3
     causal = torch.ones(N, N, dtype=torch.bool).tril()
@@ -111,7 +111,10 @@ def test_threshold_one_means_full_unless_a_cheaper_policy_loses_nothing() -> Non
     assert (profile.policies == Policy.FULL).all()
     exact = profile_layer(rows(lambda i: onto({0: 1.0}))[None], (FIRST_SPECIAL, NO_CLASS), 1,
                           FastGenSettings(threshold=1.0))
-    assert Policy(int(exact.policies[0])) is Policy.SPECIAL and float(exact.lost[Policy.SPECIAL, 0]) == 0
+    assert float(exact.lost[Policy.SPECIAL, 0]) == 0 and Policy(int(exact.policies[0])) is Policy.FULL
+    cheap = profile_layer(rows(lambda i: onto({0: 1.0}))[None], (FIRST_SPECIAL, NO_CLASS), 1,
+                          FastGenSettings(threshold=0.999))
+    assert Policy(int(cheap.policies[0])) is Policy.SPECIAL
 
 
 def test_profiling_the_last_rows_only() -> None:
@@ -132,7 +135,8 @@ def test_profiling_the_last_rows_only() -> None:
 def test_choose_policies_takes_the_first_good_enough() -> None:
     lost = torch.tensor([[0.2, 0.04, 0.3], [0.1, 0.0, 0.3], [0.05, 0.0, 0.3], [0.01, 0.0, 0.06]], dtype=torch.float64)
     assert choose_policies(lost, 0.95).tolist() == [Policy.FREQUENT, Policy.SPECIAL, Policy.FULL]
-    assert choose_policies(lost, 1.0).tolist() == [Policy.FULL, Policy.PUNCT, Policy.FULL]
+    assert choose_policies(lost, 0.9999).tolist() == [Policy.FULL, Policy.PUNCT, Policy.FULL]
+    assert choose_policies(lost, 1.0).tolist() == [Policy.FULL] * 3
 
 
 # ---- the prompt pass ------------------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def test_choose_policies_takes_the_first_good_enough() -> None:
 def test_causal_row_probs_are_the_softmax_of_the_visible_keys() -> None:
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g)
-    probs = causal_row_probs(q, k, 6)  # rows 6..9
+    probs = causal_row_probs(q[6:], k)  # rows 6..9
     assert probs.shape == (4, 4, 10) and probs.dtype == torch.float64
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(4, 4, dtype=torch.float64))
     assert (probs[:, 0, 7:] == 0).all() and (probs[:, 3] > 0).all()
@@ -161,5 +165,5 @@ def test_the_prompt_pass_is_causal_attention_and_shows_the_last_rows(
     out = prefill.attend(5, q, k, v, k)
     torch.testing.assert_close(out, DenseCausalAttention().attend(5, q, k, v, k))
     assert [layer for layer, _ in seen] == [5] and seen[0][1].shape == (4, expected_rows, 10)
-    torch.testing.assert_close(seen[0][1], causal_row_probs(q, k, 10 - expected_rows))
+    torch.testing.assert_close(seen[0][1], causal_row_probs(q[10 - expected_rows :], k))
     assert torch.equal(prefill.keys[0], k) and torch.equal(prefill.values[0], v) and prefill.profile_s > 0

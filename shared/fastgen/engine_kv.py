@@ -1,0 +1,182 @@
+"""FastGen inside the engine: profile each prompt as its last chunk is computed, move the kept KV of the profiled
+sequence from its blocks into lanes (freeing the blocks), then decode it over its lanes, evicting after every step.
+
+Owns which requests are profiled, pending or in lanes, and the figures the engine reports (entries and bytes held,
+bytes saved). The storage is `sparse_kv`'s and `lanes`'; the policies `profile`'s and `kept`'s.
+
+Profiling uses the query rows of the chunk that completes the prompt, at most `profile_rows` of its last (default
+256): the attention of those rows over every key of the prompt, [num_heads, W, n] in float64, once per layer. A
+prompt computed in several chunks, or mostly reused from the prefix cache, is profiled on its last chunk's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.blocks import BlockManager, OutOfBlocks
+from shared.fastgen.attention import causal_row_probs
+from shared.fastgen.kept import kept_entries
+from shared.fastgen.lanes import LaneSlots
+from shared.fastgen.policies import FastGenSettings, TokenClasses
+from shared.fastgen.profile import LayerProfile, profile_layer
+from shared.fastgen.sparse_kv import SparseKv
+
+if TYPE_CHECKING:
+    from shared.engine.sequence import Sequence
+
+DEFAULT_PROFILE_ROWS = 256
+
+
+@dataclass
+class _Pending:
+    """A prompt being profiled in this step: its tokens' classes and each layer's profile as it comes."""
+
+    classes: tuple[torch.Tensor, torch.Tensor]
+    layers: list[LayerProfile]
+
+
+class FastGenKv:
+    """Every FastGen sequence of one engine.
+
+    Args:
+        settings: T, r_l, r_f and the rows profiled (None: `DEFAULT_PROFILE_ROWS`).
+        classes: the vocabulary's special and punctuation tokens.
+        block_manager: lanes are cut from its blocks.
+        pool: the engine's KV pool tensor, [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+        scale: the attention scale.
+    """
+
+    def __init__(
+        self, settings: FastGenSettings, classes: TokenClasses, block_manager: BlockManager, pool: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.settings, self.classes, self.pool, self.scale = settings, classes, pool, scale
+        self.num_layers, _, self.num_kv_heads, _, self.block_size, self.head_dim = pool.shape
+        self.lanes = LaneSlots(block_manager, self.num_layers, self.num_kv_heads)
+        self.sequences: dict[str, SparseKv] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.declined: set[str] = set()  # profiled but no room for lanes: they stay in blocks
+        self.entry_bytes = 2 * self.head_dim * pool.element_size()  # K and V of one token of one KV head
+
+    @property
+    def profile_rows(self) -> int:
+        return self.settings.profile_rows or DEFAULT_PROFILE_ROWS
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request's KV is in lanes (not in blocks)."""
+        return request_id in self.sequences
+
+    def wants_profile(self, request_id: str) -> bool:
+        return request_id not in self.sequences and request_id not in self.declined
+
+    # ---- prefill: profile --------------------------------------------------------------------------------------
+
+    def start_profile(self, request_id: str, token_ids: list[int]) -> None:
+        """The step computes the last chunk of this request's prompt (`token_ids`)."""
+        special, punct = self.classes.of(torch.tensor(token_ids))
+        self.pending[request_id] = _Pending((special, punct), [])
+
+    def observe(self, request_id: str, layer: int, q_rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """One layer of a pending prompt: q_rows [W, num_heads, head_dim], its last W query rows; keys
+        [n, num_kv_heads, head_dim], every key of the prompt (RoPE applied to both)."""
+        pending = self.pending[request_id]
+        rows = q_rows[-self.profile_rows :]
+        probs = causal_row_probs(rows.float(), keys.float())
+        pending.layers.append(profile_layer(probs.cpu(), pending.classes, self.num_kv_heads, self.settings))
+
+    def convert(self, request_id: str, block_ids: list[int], num_tokens: int) -> bool:
+        """Move a profiled prompt's kept KV from its blocks into lanes; False (it stays in blocks, for good) when the
+        pool has no room for the lanes. The caller frees the blocks after True."""
+        pending = self.pending.pop(request_id)
+        policies = torch.stack([layer.policies for layer in pending.layers])  # [num_layers, num_kv_heads]
+        sparse = SparseKv(self.lanes, self.pool, policies, self.settings, num_tokens + self.block_size)
+        sparse.length = num_tokens
+        everything = torch.ones(self.num_kv_heads, num_tokens, dtype=torch.bool)
+        positions = torch.arange(num_tokens).expand(self.num_kv_heads, -1)
+        classes = (pending.classes[0].expand(self.num_kv_heads, -1), pending.classes[1].expand(self.num_kv_heads, -1))
+        kept = [  # what each layer keeps of the prompt, as after any step: bool [num_kv_heads, n]
+            kept_entries(layer.policies, positions, everything, classes, layer.scores, num_tokens, self.settings)
+            for layer in pending.layers
+        ]
+        try:
+            sparse.reserve(torch.stack([keep.sum(dim=1) for keep in kept]).to(self.pool.device))
+        except OutOfBlocks:
+            self.declined.add(request_id)
+            return False
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
+        for layer, (keep, profile) in enumerate(zip(kept, pending.layers, strict=True)):
+            kv = self.pool[layer].index_select(2, index).flatten(2, 3)[:, :, :num_tokens]  # [2, heads, n, D]
+            sparse.append_kept(layer, kv, keep, profile.scores, pending.classes)
+        self.sequences[request_id] = sparse
+        return True
+
+    def move_profiled(self, running: Mapping[str, Sequence], restarted: set[str]) -> None:
+        """After a step: each prompt profiled in it moves to lanes and its blocks are freed (they stay in the prefix
+        cache); one that finished, or whose step was void (`restarted`), is dropped."""
+        block_manager = self.lanes.block_manager
+        for request_id in list(self.pending):
+            seq = running.get(request_id)
+            if seq is None or request_id in restarted:
+                self.release(request_id)
+            elif self.convert(request_id, block_manager.block_ids(request_id), seq.num_computed_tokens):
+                block_manager.free(request_id)
+
+    # ---- decode ------------------------------------------------------------------------------------------------
+
+    def reserve(self, request_id: str) -> bool:
+        """Room for one more token in every lane of the request; False when the pool has none."""
+        try:
+            self.sequences[request_id].reserve(1)
+        except OutOfBlocks:
+            return False
+        return True
+
+    def attend(
+        self, layer: int, request_ids: list[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        token_ids: list[int],
+    ) -> torch.Tensor:
+        """One decode token per request: append it to the request's lanes, attend, evict.
+
+        Args:
+            q: [S, num_heads, head_dim]; k, v: [S, num_kv_heads, head_dim]; token_ids: [S], the tokens themselves.
+        Returns:
+            [S, num_heads, head_dim].
+        """
+        special, punct = self.classes.of(torch.tensor(token_ids))
+        out = torch.empty_like(q)
+        for row, request_id in enumerate(request_ids):
+            sparse = self.sequences[request_id]
+            if layer == 0:
+                sparse.length += 1
+            position = torch.tensor([sparse.length - 1])
+            sparse.append(layer, k[row : row + 1], v[row : row + 1], position, special[row : row + 1],
+                          punct[row : row + 1])
+            out[row] = sparse.attend(layer, q[row], self.scale)
+            sparse.evict(layer)
+        return out
+
+    def release(self, request_id: str) -> None:
+        """The request finished or is preempted: give its lanes back, forget it."""
+        sparse = self.sequences.pop(request_id, None)
+        if sparse is not None:
+            sparse.release()
+        self.pending.pop(request_id, None)
+        self.declined.discard(request_id)
+
+    # ---- figures -----------------------------------------------------------------------------------------------
+
+    def bytes_held(self, request_id: str) -> int:
+        """KV bytes the request's kept entries take (its lanes' slots take a little more: the last one per lane is
+        partly empty)."""
+        return self.sequences[request_id].num_entries * self.entry_bytes
+
+    def bytes_saved(self, request_id: str) -> int:
+        """KV bytes the request does not hold, against keeping every token of every lane."""
+        sparse = self.sequences[request_id]
+        full = sparse.length * self.num_layers * self.num_kv_heads
+        return max(0, full - sparse.num_entries) * self.entry_bytes
+

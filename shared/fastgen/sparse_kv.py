@@ -1,0 +1,222 @@
+"""One FastGen sequence's KV in lane slots: per layer and KV head (a lane), the entries of the tokens its policy
+keeps, a decode step's attention over them, and the eviction after each step.
+
+K and V of an entry lie in the pool, in the lane slots `lanes.LaneSlots` hands out; the entry's position, token
+class and accumulated attention lie here. Entry e of a lane lives in the lane's slot e // block_size, row
+e % block_size. Entries are in no particular order (attention does not care): an evicted entry's place is taken by
+one of the lane's last entries, so a step moves only as many entries as it evicts, and a lane's trailing slots go
+back once empty. What a policy keeps is `kept.kept_entries`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.fastgen.kept import kept_entries
+from shared.fastgen.lanes import LaneSlots
+from shared.fastgen.policies import FastGenSettings
+
+
+class SparseKv:
+    """A sequence's lanes.
+
+    Args:
+        lanes: the slot allocator (over the engine's block manager).
+        pool: the KV pool tensor, [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+        policies: long [num_layers, num_kv_heads], each lane's `Policy`.
+        settings: r_l and r_f.
+        capacity: entries per lane to make room for at first (grown as needed).
+    """
+
+    def __init__(
+        self, lanes: LaneSlots, pool: torch.Tensor, policies: torch.Tensor, settings: FastGenSettings, capacity: int
+    ) -> None:
+        num_layers, _, num_kv_heads, self.num_blocks, self.block_size, self.head_dim = pool.shape
+        self.lanes, self.settings, self.device = lanes, settings, pool.device
+        self.rows = pool.view(-1, self.head_dim)
+        self.policies = policies.to(self.device)
+        self.length = 0  # tokens of the sequence so far (kept or not)
+        shape = (num_layers, num_kv_heads, max(capacity, 1))
+        self.positions = torch.zeros(shape, dtype=torch.long, device=self.device)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.special = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self.punct = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros(num_layers, num_kv_heads, dtype=torch.long, device=self.device)
+        self.slot_table = torch.zeros(num_layers, num_kv_heads, 1, dtype=torch.long, device=self.device)
+        self.num_slots = [[0] * num_kv_heads for _ in range(num_layers)]
+
+    @property
+    def num_entries(self) -> int:
+        """Entries held, every lane (each is one token of one layer and KV head, K and V)."""
+        return int(self.counts.sum())
+
+    @property
+    def num_slots_held(self) -> int:
+        return sum(map(sum, self.num_slots))
+
+    # ---- room -------------------------------------------------------------------------------------------------
+
+    def slots_missing(self, num_new: torch.Tensor | int = 1) -> list[tuple[int, int]]:
+        """The (layer, head) lanes, one per missing slot, that need a new slot to add `num_new` entries (per lane,
+        long [num_layers, num_kv_heads], or the same for all)."""
+        wanted = (self.counts + num_new).tolist()
+        missing = []
+        for layer, row in enumerate(wanted):
+            for head, count in enumerate(row):
+                needed = -(-count // self.block_size) - self.num_slots[layer][head]
+                missing.extend([(layer, head)] * max(0, needed))
+        return missing
+
+    def reserve(self, num_new: torch.Tensor | int = 1) -> None:
+        """Make room for `num_new` more entries in every lane (per lane, or the same for all).
+
+        Raises:
+            OutOfBlocks: the pool cannot supply the slots; nothing changes.
+        """
+        missing = self.slots_missing(num_new)
+        slots = self.lanes.take(len(missing)) if missing else []
+        self._grow(max(int((self.counts + num_new).max()), 1))
+        for (layer, head), slot in zip(missing, slots, strict=True):
+            self.slot_table[layer, head, self.num_slots[layer][head]] = slot
+            self.num_slots[layer][head] += 1
+
+    def release(self) -> None:
+        """Give every slot back."""
+        slots = [int(self.slot_table[layer, head, i]) for layer, row in enumerate(self.num_slots)
+                 for head, count in enumerate(row) for i in range(count)]
+        self.lanes.give_back(slots)
+        self.num_slots = [[0] * len(row) for row in self.num_slots]
+        self.counts.zero_()
+
+    def _grow(self, entries: int) -> None:
+        """Capacity for `entries` per lane, in the metadata and the slot table."""
+        if entries > self.positions.shape[-1]:
+            extra = max(entries, 2 * self.positions.shape[-1]) - self.positions.shape[-1]
+            for name in ("positions", "scores", "special", "punct"):
+                old = getattr(self, name)
+                setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra)], dim=-1))
+        slots = -(-entries // self.block_size)
+        if slots > self.slot_table.shape[-1]:
+            old = self.slot_table
+            self.slot_table = torch.cat([old, old.new_zeros(*old.shape[:2], 2 * slots - old.shape[-1])], dim=-1)
+
+    # ---- entries ----------------------------------------------------------------------------------------------
+
+    def _flat_rows(self, layer: int, entries: torch.Tensor, kv: int) -> torch.Tensor:
+        """Rows of `self.rows` holding entries [kv_heads, E] (entry indices per head) of a layer's lanes, K (0) or
+        V (1)."""
+        slots = self.slot_table[layer].gather(1, torch.div(entries, self.block_size, rounding_mode="floor"))
+        block, lane = slots.div(self.lanes.slots_per_block, rounding_mode="floor"), slots % self.lanes.slots_per_block
+        pool_layer = lane.div(self.lanes.num_kv_heads, rounding_mode="floor")
+        head = lane % self.lanes.num_kv_heads
+        num_kv_heads = self.lanes.num_kv_heads
+        return (((pool_layer * 2 + kv) * num_kv_heads + head) * self.num_blocks + block) * self.block_size + (
+            entries % self.block_size
+        )
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, special: torch.Tensor,
+        punct: torch.Tensor,
+    ) -> None:
+        """Add tokens to every lane of a layer (room reserved beforehand).
+
+        Args:
+            k, v: [n, num_kv_heads, head_dim]; positions, special, punct: [n] per token, or [num_kv_heads, n] when
+                each head gets other tokens (then k, v are [num_kv_heads, n, head_dim]).
+        """
+        per_head = positions.dim() == 2
+        if not per_head:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        num_kv_heads, num_new = k.shape[:2]
+        entries = self.counts[layer][:, None] + torch.arange(num_new, device=self.device)  # [kv_heads, n]
+        self.rows[self._flat_rows(layer, entries, 0)] = k.to(self.rows.dtype)
+        self.rows[self._flat_rows(layer, entries, 1)] = v.to(self.rows.dtype)
+        for name, values in (("positions", positions), ("special", special), ("punct", punct)):
+            target = getattr(self, name)[layer]
+            target.scatter_(1, entries, values.to(self.device).expand(num_kv_heads, num_new))
+        self.scores[layer].scatter_(1, entries, torch.zeros_like(entries, dtype=torch.float32))
+        self.counts[layer] += num_new
+
+    def append_kept(
+        self, layer: int, kv: torch.Tensor, keep: torch.Tensor, scores: torch.Tensor,
+        classes: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Add a prompt's kept tokens to a layer's lanes (room reserved beforehand), each head its own.
+
+        Args:
+            kv: [2, num_kv_heads, n, head_dim], K and V of every prompt token; keep: bool [num_kv_heads, n];
+            scores: [num_kv_heads, n], the profile's accumulated attention; classes: (special, punct), bool [n].
+        """
+        for head in range(keep.shape[0]):
+            kept = keep[head].nonzero().flatten().to(self.device)
+            entries = self.counts[layer, head] + torch.arange(kept.numel(), device=self.device)
+            rows = self._flat_rows(layer, _one_head(entries, head, self.lanes.num_kv_heads), 0)[head]
+            self.rows[rows] = kv[0, head, kept].to(self.rows.dtype)
+            rows = self._flat_rows(layer, _one_head(entries, head, self.lanes.num_kv_heads), 1)[head]
+            self.rows[rows] = kv[1, head, kept].to(self.rows.dtype)
+            self.positions[layer, head, entries] = kept
+            self.scores[layer, head, entries] = scores[head].to(self.device, torch.float32)[kept]
+            self.special[layer, head, entries] = classes[0].to(self.device)[kept]
+            self.punct[layer, head, entries] = classes[1].to(self.device)[kept]
+            self.counts[layer, head] += kept.numel()
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token's attention over a layer's entries (its own, appended first, included); the attention
+        each entry gets, summed over the head's query heads, adds to its score. q: [num_heads, head_dim]."""
+        counts = self.counts[layer]
+        num_kv_heads, num_entries = counts.shape[0], int(counts.max())
+        entries = torch.arange(num_entries, device=self.device).expand(num_kv_heads, num_entries)
+        keys = self.rows[self._flat_rows(layer, entries, 0)]  # [kv_heads, E, head_dim]
+        values = self.rows[self._flat_rows(layer, entries, 1)]
+        queries = q.view(num_kv_heads, -1, self.head_dim)  # [kv_heads, group, head_dim]
+        logits = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scale)  # [kv_heads, group, E]
+        logits.masked_fill_((entries >= counts[:, None])[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        self.scores[layer, :, :num_entries] += probs.sum(dim=1)
+        return torch.bmm(probs.to(q.dtype), values).reshape(q.shape)
+
+    def evict(self, layer: int) -> None:
+        """Apply the lanes' policies after a step over `self.length` tokens: drop what they no longer keep, fill the
+        holes with the lanes' last entries, give back emptied trailing slots."""
+        counts = self.counts[layer]
+        num_kv_heads, num_entries = counts.shape[0], int(counts.max())
+        entries = torch.arange(num_entries, device=self.device).expand(num_kv_heads, num_entries)
+        valid = entries < counts[:, None]
+        window = slice(0, num_entries)
+        keep = kept_entries(
+            self.policies[layer], self.positions[layer, :, window], valid,
+            (self.special[layer, :, window], self.punct[layer, :, window]), self.scores[layer, :, window],
+            self.length, self.settings,
+        )
+        if torch.equal(keep, valid):
+            return
+        kept = keep.sum(dim=1)
+        holes = (~keep & (entries < kept[:, None])).nonzero(as_tuple=True)  # row-major: paired head by head
+        movers = (keep & (entries >= kept[:, None])).nonzero(as_tuple=True)
+        if holes[0].numel():
+            for kv in (0, 1):
+                rows = self._flat_rows(layer, entries, kv)
+                self.rows[rows[holes]] = self.rows[rows[movers]]
+            for name in ("positions", "scores", "special", "punct"):
+                target = getattr(self, name)[layer]
+                target[holes] = target[movers]
+        self.counts[layer] = kept
+        self._trim(layer, kept.tolist())
+
+    def _trim(self, layer: int, kept: list[int]) -> None:
+        freed = []
+        for head, count in enumerate(kept):
+            needed = -(-count // self.block_size)
+            held = self.num_slots[layer][head]
+            if held > needed:
+                freed.extend(self.slot_table[layer, head, needed:held].tolist())
+                self.num_slots[layer][head] = needed
+        if freed:
+            self.lanes.give_back(freed)
+
+
+def _one_head(entries: torch.Tensor, head: int, num_kv_heads: int) -> torch.Tensor:
+    """[num_kv_heads, E] entry indices: `entries` on row `head`, zeros elsewhere (for `_flat_rows`)."""
+    out = torch.zeros(num_kv_heads, entries.numel(), dtype=torch.long, device=entries.device)
+    out[head] = entries
+    return out

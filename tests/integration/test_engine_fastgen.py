@@ -1,0 +1,114 @@
+"""The engine with FastGen, on the real model: at T = 1 it answers exactly as the full cache does; below 1 its decode
+is the quality harness's FastGen token for token (lanes against masks), it holds fewer blocks than the full cache and
+gives them all back; under a pool too small for everyone it preempts and still completes; a codec is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling import SamplingParams
+from shared.fastgen.attention import DecodeAttention, PrefillAttention
+from shared.fastgen.kept import FastGenRule
+from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
+from shared.fastgen.profile import profile_layer
+from shared.model.llama import build_model
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+TEXT = "../shared/data/text/lee_background.txt"
+
+
+def _prompt(engine: LLMEngine, num_tokens: int = 300) -> list[int]:
+    with open(TEXT, encoding="utf-8") as f:
+        return engine.tokenizer.encode(f.read(20_000))[:num_tokens]
+
+
+def _fastgen(make_engine, threshold: float, **settings: object) -> LLMEngine:
+    return make_engine(kv_policy="fastgen", fastgen=FastGenSettings(threshold=threshold, profile_rows=128), **settings)
+
+
+def _held_blocks(engine: LLMEngine) -> int:
+    manager = engine.block_manager
+    return manager.num_blocks - manager.num_free_blocks
+
+
+def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], list[int]]:
+    """The tokens, and the blocks held after each step (prefix-cache blocks nobody holds are not counted)."""
+    engine.add_request("r", prompt, params)
+    tokens, held = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        held.append(_held_blocks(engine))
+    engine.block_manager.check_invariants()
+    return tokens, held
+
+
+def test_at_threshold_one_fastgen_answers_as_the_full_cache(make_engine) -> None:
+    full, fastgen = make_engine(), _fastgen(make_engine, 1.0)
+    prompt = _prompt(full)
+    expected, _ = _run(full, prompt)
+    tokens, _ = _run(fastgen, prompt)
+    assert tokens == expected
+    assert fastgen.fastgen is not None and not fastgen.fastgen.sequences  # released at the end
+
+
+def test_below_one_it_holds_fewer_blocks_and_gives_them_back(make_engine) -> None:
+    full, fastgen = make_engine(), _fastgen(make_engine, 0.9)
+    prompt = _prompt(full)
+    _, full_held = _run(full, prompt)
+    fastgen.add_request("r", prompt, GREEDY)
+    fastgen.step()  # the prompt: profiled, then moved to lanes
+    assert fastgen.fastgen is not None
+    saved = fastgen.fastgen.bytes_saved("r")
+    held = fastgen.fastgen.bytes_held("r")
+    assert saved > 0.1 * (saved + held)
+    lanes_held = []
+    while fastgen.has_unfinished():
+        fastgen.step()
+        lanes_held.append(_held_blocks(fastgen))
+    assert max(lanes_held[:-1]) < min(full_held[:-1])  # every decode step: fewer blocks than the full cache's
+    assert lanes_held[-1] == 0 and fastgen.fastgen.lanes.num_blocks_held == 0
+    fastgen.block_manager.check_invariants()
+
+
+def test_the_engine_decodes_as_the_quality_harness(make_engine, checkpoint) -> None:
+    """The lanes (entries in any order, moved on eviction) against the harness's masks over a dense cache."""
+    settings = FastGenSettings(threshold=0.9, profile_rows=128)
+    engine = make_engine(kv_policy="fastgen", fastgen=settings)
+    prompt = _prompt(engine)
+    generated, _ = _run(engine, prompt)
+    ids = torch.tensor(prompt + generated)
+    classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, checkpoint.config.vocab_size).of(ids)
+    prompt_classes = (classes[0][: len(prompt)], classes[1][: len(prompt)])
+    model = build_model(checkpoint.config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
+    profiles = []
+    prefill = PrefillAttention(128, lambda layer, probs: profiles.append(
+        profile_layer(probs, prompt_classes, checkpoint.config.num_kv_heads, settings)))
+    with torch.inference_mode():
+        hidden = model(ids[: len(prompt)], torch.arange(len(prompt)), prefill)
+        predicted = [int(model.compute_logits(hidden[-1:]).argmax())]
+        rules = [[FastGenRule(p.policies, classes, settings) for p in profiles]]
+        ctx = DecodeAttention(prefill, [p.scores for p in profiles], rules, len(ids))
+        for _ in generated[:-1]:
+            position = ctx.start_step()
+            hidden = model(ids[position : position + 1], torch.tensor([position]), ctx)
+            predicted.append(int(model.compute_logits(hidden).argmax()))
+    assert any(int(policy) != Policy.FULL for layer in profiles for policy in layer.policies)  # something evicts
+    assert predicted == generated
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_completes(make_engine) -> None:
+    fastgen = _fastgen(make_engine, 0.9, kv_cache_bytes=8 << 20, max_num_seqs=4)  # 11 blocks of 16 tokens
+    prompts = [_prompt(fastgen, 60 + 7 * i) for i in range(4)]
+    done = fastgen.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert [len(c.token_ids) for c in done] == [40] * 4
+    assert _held_blocks(fastgen) == 0 and fastgen.fastgen is not None and fastgen.fastgen.lanes.num_blocks_held == 0
+    fastgen.block_manager.check_invariants()
+
+
+def test_fastgen_over_a_codec_is_refused(make_engine) -> None:
+    with pytest.raises(ValueError, match="FastGen does not run over a KV codec"):
+        make_engine(kv_policy="fastgen", kv_codec="kvquant-4")
