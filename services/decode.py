@@ -21,11 +21,22 @@ from shared.config import Settings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv_cache import KVPool
 from shared.engine.sampling import SamplingParams
+from shared.fastgen.wire import ProfileError, ProfileParts
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import KvReceiver, KvTransferError
 from shared.kv_wire_packed import PackedPromptKv, assemble_packed
 from shared.log import get_logger
-from shared.protocol import Cancel, DecodeTask, ErrorType, KvChunk, Message, PrefillTask, Role, StreamEvent
+from shared.protocol import (
+    Cancel,
+    DecodeTask,
+    ErrorType,
+    FastGenProfilePart,
+    KvChunk,
+    Message,
+    PrefillTask,
+    Role,
+    StreamEvent,
+)
 
 log = get_logger(__name__)
 
@@ -60,6 +71,8 @@ class DecodeService:
         self.settings, self.bus, self.engine = settings, bus, engine
         self.host: EngineHost[RequestOutput | _Failure] = EngineHost(engine)
         self.receiver = KvReceiver(settings.kv_deadline_s)
+        self.profiles = ProfileParts()  # FastGen profiles that follow some prompts' KV
+        self._kv_saved_bytes = 0  # what FastGen does not hold now, over the running requests (engine thread's)
         self._waiting: dict[str, _Waiting] = {}  # DecodeTask in, KV not complete yet
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
@@ -99,7 +112,7 @@ class DecodeService:
             request_ids=[*running, *self._waiting, *ready], samples=samples,
             block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
-            kv_moved_tokens=self._moved_tokens,
+            kv_moved_tokens=self._moved_tokens, kv_saved_bytes=self._kv_saved_bytes,
         )
 
     async def handle_message(self, msg: Message) -> None:
@@ -108,6 +121,16 @@ class DecodeService:
             if error is not None:
                 self._waiting.pop(msg.request_id, None)
                 await self._fail(msg.request_id, str(error))
+                return
+            await self._maybe_ready(msg.request_id)
+        elif isinstance(msg, FastGenProfilePart):
+            try:
+                self.profiles.add(msg)
+            except ProfileError as exc:
+                self._waiting.pop(msg.request_id, None)
+                self.receiver.discard(msg.request_id)
+                self.profiles.discard(msg.request_id)
+                await self._fail(msg.request_id, str(exc))
                 return
             await self._maybe_ready(msg.request_id)
         elif isinstance(msg, DecodeTask):
@@ -136,6 +159,7 @@ class DecodeService:
     def _cancel(self, msg: Cancel) -> None:
         request_id = msg.request_id
         self.receiver.discard(request_id)
+        self.profiles.discard(request_id)
         self._waiting.pop(request_id, None)
         with self._lock:
             for ready in [r for r in self._ready if r.request_id == request_id]:
@@ -152,12 +176,16 @@ class DecodeService:
         waiting = self._waiting.get(request_id)
         if waiting is None or not self.receiver.is_complete(request_id):
             return
+        if self.profiles.num_received(request_id) < waiting.task.num_profile_parts:
+            return  # its FastGen profile follows the KV (a stall expires with the KV stream)
         assembly = self.receiver.take_complete(request_id)
         del self._waiting[request_id]
         task, cfg = waiting.task, self.engine.model_config
         try:
             if assembly is None or assembly.num_received != task.num_chunks:
                 raise KvTransferError(f"request {request_id}: expected {task.num_chunks} KV chunks")
+            profile = None if not task.num_profile_parts else self.profiles.take(
+                request_id, cfg.num_layers, cfg.num_kv_heads, len(task.prompt_ids))
             packed = self.engine.packed_format
             kv: torch.Tensor | PackedPromptKv
             if packed is not None:
@@ -178,6 +206,7 @@ class DecodeService:
         self._moved_tokens += len(task.prompt_ids)
         request = PrefilledRequest(
             request_id, task.prompt_ids, task.first_token, task.num_emitted_chars, params, kv, task.num_cached_tokens,
+            profile,
         )
         with self._lock:
             self._ready.append(request)
@@ -190,6 +219,7 @@ class DecodeService:
             await asyncio.sleep(min(0.5, deadline / 4))
             for request_id, reason in self.receiver.expire():
                 self._waiting.pop(request_id, None)
+                self.profiles.discard(request_id)
                 await self._fail(request_id, reason)
             now = time.monotonic()
             for request_id, waiting in list(self._waiting.items()):
@@ -208,8 +238,10 @@ class DecodeService:
         failures = self._admit_prompts()
         self._admit_ready()
         outputs = self._timed_step() if self.engine.has_unfinished() else []
+        fastgen = self.engine.fastgen
         with self._lock:
             self._running.difference_update(out.request_id for out in outputs if out.finished)
+            self._kv_saved_bytes = 0 if fastgen is None else fastgen.total_bytes_saved()
         return [*failures, *outputs], self.engine.has_unfinished()
 
     def _timed_step(self) -> list[RequestOutput]:
@@ -267,7 +299,7 @@ class DecodeService:
                 continue
             event = StreamEvent(
                 out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_text,
-                out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
+                out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, kv_bytes_saved=out.kv_bytes_saved,
             )
             await self.bus.publish(self.bus.subjects.stream(out.request_id), event)
             if out.finished:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
+from shared.fastgen.policies import FastGenSettings
 from shared.sim.profiles import PROFILES
 
 POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
@@ -55,6 +56,12 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_BLOCK_SIZE", "64", "tokens per KV block"),
         EnvVar("TSUKIMI_KV_CODEC", "none", "KV block storage: none (raw), fp16, int8, kivi-4/3/2, kvquant-4/3/2"),
         EnvVar("TSUKIMI_KV_CALIB", "", "calibration file of a kvquant codec (default: the one shipped for SmolLM2)"),
+        EnvVar("TSUKIMI_KV_POLICY", "full",
+               "full (keep every token's KV) or fastgen (each KV head keeps what its profiled policy keeps)"),
+        EnvVar("TSUKIMI_FASTGEN_T", "0.95", "FastGen: attention mass a head's policy must recover, in (0, 1]"),
+        EnvVar("TSUKIMI_FASTGEN_R_LOCAL", "0.3", "FastGen: the local window, a share of the length"),
+        EnvVar("TSUKIMI_FASTGEN_R_FREQUENT", "0.3", "FastGen: the heavy-hitter budget, a share of the length"),
+        EnvVar("TSUKIMI_FASTGEN_PROFILE_ROWS", "256", "FastGen: the prompt's last query rows it profiles on"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
         EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
@@ -150,8 +157,15 @@ def load_settings(
         max_num_seqs=get.integer("TSUKIMI_MAX_NUM_SEQS", minimum=1),
         max_num_batched_tokens=get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1),
         kv_codec=get.text("TSUKIMI_KV_CODEC"), kv_calib=get.text("TSUKIMI_KV_CALIB") or None,
+        kv_policy=get.text("TSUKIMI_KV_POLICY"),
     )
     try:
+        engine_kwargs["fastgen"] = FastGenSettings(
+            threshold=get.number("TSUKIMI_FASTGEN_T", minimum=0.0),
+            r_local=get.number("TSUKIMI_FASTGEN_R_LOCAL", minimum=0.0),
+            r_frequent=get.number("TSUKIMI_FASTGEN_R_FREQUENT", minimum=0.0),
+            profile_rows=get.integer("TSUKIMI_FASTGEN_PROFILE_ROWS", minimum=1),
+        )
         engine = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ConfigError(f"engine settings: {exc}") from None
@@ -169,6 +183,8 @@ def load_settings(
     engine_kind = get.choice("TSUKIMI_ENGINE", ENGINES)
     if engine_kind == "sim" and engine.kv_codec != "none":
         raise ConfigError("TSUKIMI_KV_CODEC applies to the real engine; the sim engine's KV travels as sizes only")
+    if engine_kind == "sim" and engine.kv_policy != "full":
+        raise ConfigError("TSUKIMI_KV_POLICY=fastgen applies to the real engine (it profiles real attention)")
     log_format = get.text("TSUKIMI_LOG_FORMAT").lower()
     if log_format not in ("json", "console"):
         raise ConfigError(f"TSUKIMI_LOG_FORMAT must be json or console, got {log_format!r}")

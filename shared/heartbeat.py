@@ -39,6 +39,7 @@ class Load:
     kv_stored_blocks: int = 0
     kv_moved_bytes: int = 0
     kv_moved_tokens: int = 0
+    kv_saved_bytes: int = 0
 
 
 class HeartbeatSender:

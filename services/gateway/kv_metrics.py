@@ -34,6 +34,9 @@ class KvMetrics:
         "tsukimi_kv_moved_bytes_total", "prompt KV bytes on the wire, sent (prefill) or received (decode)", _INSTANCE))
     moved_tokens: Counter = field(default_factory=lambda: Counter(
         "tsukimi_kv_moved_tokens_total", "prompt tokens whose KV was sent (prefill) or received (decode)", _INSTANCE))
+    saved_bytes: Gauge = field(default_factory=lambda: Gauge(
+        "tsukimi_kv_fastgen_saved_bytes", "KV bytes FastGen's eviction frees now, over a decode instance's running "
+        "requests (against keeping every token)", _INSTANCE))
 
     def update(self, beats: list[Heartbeat]) -> None:
         """Replace every series by the figures of these heartbeats (instances gone drop out)."""
@@ -51,13 +54,14 @@ class KvMetrics:
                 self.used_tokens.set(beat.kv_blocks_used * beat.kv_block_tokens, **engine)
                 self.moved_bytes.values[(beat.instance_id, beat.role)] = beat.kv_moved_bytes
                 self.moved_tokens.values[(beat.instance_id, beat.role)] = beat.kv_moved_tokens
+                self.saved_bytes.set(beat.kv_saved_bytes, **who)
 
     def render(self) -> list[str]:
         return [line for metric in self._all() for line in metric.render()]
 
     def _all(self) -> list[Counter]:
         return [self.block_bytes, self.capacity_tokens, self.used_tokens, self.store_bytes, self.store_blocks,
-                self.moved_bytes, self.moved_tokens]
+                self.moved_bytes, self.moved_tokens, self.saved_bytes]
 
 
 def parse_kv_samples(text: str) -> dict[str, float]:

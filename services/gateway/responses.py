@@ -28,13 +28,20 @@ class ResponseMeta:
     is_chat: bool
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int, kv_bytes_saved: int = 0
+) -> dict[str, Any]:
+    """OpenAI's `CompletionUsage`; with FastGen (`kv_bytes_saved` > 0) also tsukimi's `kv_bytes_saved`: the KV bytes
+    the request did not hold at its end, against keeping every token."""
+    figures: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
+    if kv_bytes_saved:
+        figures["kv_bytes_saved"] = kv_bytes_saved
+    return figures
 
 
 def completion(meta: ResponseMeta, text: str, finish_reason: str, usage_: dict[str, Any]) -> dict[str, Any]:

@@ -83,6 +83,7 @@ class Session:
         self.num_output_tokens = 0
         self.num_prompt_tokens = len(request.prompt_ids)
         self.num_cached_tokens = 0
+        self.kv_bytes_saved = 0  # FastGen's figure for this request, from decode (0: it kept every token)
 
     async def __aenter__(self) -> Session:
         self.stream = await self.backend.open_stream(self.request_id)
@@ -150,6 +151,7 @@ class Session:
         if event.finish_reason == "abort":
             raise unavailable("the request was aborted by the server")
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        self.kv_bytes_saved = event.kv_bytes_saved or self.kv_bytes_saved  # the latest decode figure
         self.num_prompt_tokens = max(self.num_prompt_tokens, event.num_prompt_tokens)
         self.num_output_tokens += len(event.token_ids)
         self.timer.tokens(len(event.token_ids))

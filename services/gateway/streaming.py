@@ -18,7 +18,8 @@ log = get_logger(__name__)
 
 
 def _usage(session: Session) -> dict[str, Any]:
-    return usage(session.num_prompt_tokens, session.num_output_tokens, session.num_cached_tokens)
+    return usage(session.num_prompt_tokens, session.num_output_tokens, session.num_cached_tokens,
+                 session.kv_bytes_saved)
 
 
 async def whole_answer(session: Session, meta: ResponseMeta, headers: dict[str, str]) -> web.Response:

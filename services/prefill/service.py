@@ -28,6 +28,7 @@ from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixSource
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
+from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import chunk_layer_kv, num_kv_chunks
 from shared.kv_wire_packed import PackedLayerKv, chunk_packed_layer, num_packed_chunks
@@ -62,6 +63,7 @@ class _Held:
     sent_layers: set[int] = field(default_factory=set)  # a request recomputed after a failed load sends each once
     cancelled: bool = False
     is_prefilled: bool = False
+    profile: PromptProfile | None = None  # FastGen's, when the engine runs it: decode keeps what it says
 
 
 class PrefillService:
@@ -96,6 +98,8 @@ class PrefillService:
         self._chunk_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
         self._packed = engine.packed_format  # None: raw tensors travel
         self._moved_bytes = self._moved_tokens = 0  # prompt KV sent to decode since start, and its tokens
+        if engine.fastgen is not None:  # profile here, evict on decode
+            engine.fastgen.moves_to_lanes = False
 
     async def start(self) -> None:
         subjects, me = self.bus.subjects, self.settings.instance_id
@@ -232,6 +236,8 @@ class PrefillService:
         new_blocks = None
         if held is not None:
             held.is_prefilled = True
+            if self.engine.fastgen is not None:
+                held.profile = self.engine.fastgen.take_profile(out.request_id)
             num_full = len(held.task.prompt_ids) // self.engine.config.block_size
             if self.cache is not None and not out.finished and num_full > held.num_store_blocks:
                 new_blocks = self.engine.export_block_payloads(
@@ -309,9 +315,12 @@ class PrefillService:
             log.info("finished at prefill", request_id=task.request_id, reason=out.finish_reason)
             return
         self._moved_tokens += len(task.prompt_ids)
+        parts = [] if held.profile is None else profile_parts(task.request_id, held.profile, self._chunk_bytes)
+        for part in parts:  # after the KV chunks, on their subject
+            await self.bus.publish(subjects.decode_kv(task.decode_id), part)
         await self.bus.publish(subjects.decode_run(task.decode_id), DecodeTask(
             task.request_id, task.prompt_ids, out.new_token_ids[0], len(out.new_text), task.sampling,
-            held.num_chunks, out.num_cached_tokens, self.settings.instance_id,
+            held.num_chunks, out.num_cached_tokens, self.settings.instance_id, len(parts),
         ))
         log.info("prefilled", request_id=task.request_id, cached_tokens=out.num_cached_tokens,
                  ttft_s=round(time.time() - task.arrival_time, 4), kv_chunks=held.num_chunks)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from shared.cli.common import CliError, add_kv_codec_args, positive_int
 from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, load_settings
+from shared.engine.config import KV_POLICIES
 from shared.nats_server import NatsServerError, find_nats_server, free_port, wait_for_port
 from shared.sim.engine import sim_model_name
 from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
@@ -91,6 +92,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     sim.add_argument("--profile", choices=sorted(PROFILES),
                      help="model and GPUs the sim engine stands for (TSUKIMI_SIM_PROFILE; default llama3-70b-8xa800)")
     add_kv_codec_args(sim, default=None)
+    sim.add_argument("--kv-policy", choices=KV_POLICIES,
+                     help="full: keep every token's KV; fastgen: profile each prompt's attention per KV head and keep "
+                          "only what the head's policy needs (see README, FastGen) (TSUKIMI_KV_POLICY)")
+    sim.add_argument("--fastgen-threshold", type=float, metavar="T",
+                     help="FastGen's T: the attention mass each head's policy must recover, in (0, 1]; 1 keeps every "
+                          "token (TSUKIMI_FASTGEN_T; default 0.95)")
     slo = parser.add_argument_group("scheduling (default: the TSUKIMI_* variables, else conductor, 10000 ms, 500 ms)")
     slo.add_argument("--policy", choices=POLICIES, help="placement policy (TSUKIMI_POLICY)")
     slo.add_argument("--slo-ttft-ms", type=float, metavar="MS",
@@ -266,6 +273,10 @@ def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
         env["TSUKIMI_KV_CODEC"] = args.kv_codec
     if args.kv_calib:
         env["TSUKIMI_KV_CALIB"] = str(Path(args.kv_calib).resolve())
+    if args.kv_policy:
+        env["TSUKIMI_KV_POLICY"] = args.kv_policy
+    if args.fastgen_threshold is not None:
+        env["TSUKIMI_FASTGEN_T"] = str(args.fastgen_threshold)
     if args.colocated:
         env["TSUKIMI_DEPLOYMENT"] = "colocated"
         if args.policy is None and "TSUKIMI_POLICY" not in os.environ:

@@ -18,11 +18,13 @@ from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import KVPool, LayerCallback
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.prompt_kv import check_prompt_kv, write_packed
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.fastgen.engine_kv import FastGenKv
 from shared.fastgen.policies import TokenClasses
+from shared.fastgen.wire import PromptProfile
 from shared.kv_wire_packed import PackedFormat, PackedLayerKv, PackedPromptKv
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,6 +49,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    kv_bytes_saved: int = 0  # KV bytes FastGen does not hold for this request after this step (0: full cache)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +77,7 @@ class PrefilledRequest:
     params: SamplingParams
     kv: torch.Tensor | PackedPromptKv  # raw [num_layers, 2, kv_heads, len(prompt_ids), head_dim], or packed
     num_cached_tokens: int = 0  # prompt tokens prefill reused, reported in usage
+    fastgen_profile: PromptProfile | None = None  # prefill's FastGen profile (None: keep every token)
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ class LLMEngine:
         prompt = request.prompt_ids
         if request.request_id in self._seqs:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        self._check_prompt_kv(request.kv, len(prompt))
+        check_prompt_kv(request.kv, len(prompt), self.model_config, self.packed_format)
         if len(self.scheduler.running) >= self.runner.max_num_seqs:
             raise EngineFull(f"the running batch holds {self.runner.max_num_seqs} sequences")
         try:
@@ -305,12 +309,13 @@ class LLMEngine:
         block_ids = self.block_manager.block_ids(request.request_id)
         pool = self.runner.pool
         if isinstance(request.kv, PackedPromptKv):
-            self._write_packed(request.request_id, block_ids, request.kv, reused // self.config.block_size)
+            assert isinstance(pool, CodecKvPool)
+            write_packed(pool, request.request_id, block_ids, request.kv, reused // self.config.block_size)
         elif isinstance(pool, KVPool):
             pool.write_tokens(block_ids, request.kv, reused // self.config.block_size)
         self.block_manager.mark_computed(request.request_id, len(prompt))
-        if self.fastgen is not None:  # no profile came with the KV: it keeps every token
-            self.fastgen.declined.add(request.request_id)
+        if self.fastgen is not None:
+            self._adopt_profile(request, block_ids)
         seq = Sequence(request.request_id, [*prompt, request.first_token], len(prompt), request.params)
         seq.num_computed_tokens, seq.num_cached_tokens = len(prompt), request.num_cached_tokens
         detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -320,38 +325,17 @@ class LLMEngine:
         self._seqs[seq.request_id] = seq
         self._detokenizers[seq.request_id] = detokenizer
 
-    def _check_prompt_kv(self, kv: torch.Tensor | PackedPromptKv, num_tokens: int) -> None:
-        """Raises ValueError unless `kv` is a whole prompt of `num_tokens` in the form this engine's pool keeps."""
-        cfg, fmt = self.model_config, self.packed_format
-        if isinstance(kv, PackedPromptKv):
-            if fmt is None:
-                raise ValueError("packed prompt KV for an engine that keeps raw tensors")
-            full = num_tokens // fmt.block_size
-            tail = (cfg.num_layers, 2, cfg.num_kv_heads, num_tokens % fmt.block_size, cfg.head_dim)
-            if kv.num_tokens != num_tokens or len(kv.layers) != cfg.num_layers or tuple(kv.tail.shape) != tail or any(
-                len(layer) != fmt.blocks_bytes(full) for layer in kv.layers
-            ):
-                raise ValueError(f"packed prompt KV does not hold {num_tokens} tokens of {fmt.kv_format}")
-            return
-        if fmt is not None:
-            raise ValueError(f"raw prompt KV for an engine that keeps {fmt.kv_format}")
-        expected = (cfg.num_layers, 2, cfg.num_kv_heads, num_tokens, cfg.head_dim)
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"prompt KV has shape {tuple(kv.shape)}, expected {expected}")
-
-    def _write_packed(self, request_id: str, block_ids: list[int], kv: PackedPromptKv, first_block: int) -> None:
-        """Packed prompt KV into the codec pool: its blocks from `first_block` on (earlier ones are reused), its
-        tail."""
-        pool = self.runner.pool
-        assert isinstance(pool, CodecKvPool)
-        size = pool.block_size
-        for layer, data in enumerate(kv.layers):
-            for block in range(first_block, kv.num_tokens // size):
-                start = block * pool.block_bytes + (pool.sink_bytes if block else 0)
-                end = start + pool.payload_layer_bytes(block == 0)
-                pool.write_block_bytes(layer, block_ids[block], data[start:end], block == 0)
-            if kv.num_tokens % size:
-                pool.write_tail(request_id, layer, kv.tail[layer])
+    def _adopt_profile(self, request: PrefilledRequest, block_ids: list[int]) -> None:
+        """FastGen: a prompt that came with its profile moves to lanes; without one (or without room for the lanes)
+        it keeps every token."""
+        assert self.fastgen is not None
+        profile, request_id = request.fastgen_profile, request.request_id
+        cfg = self.model_config
+        if profile is None or tuple(profile.scores.shape) != (cfg.num_layers, cfg.num_kv_heads,
+                                                              len(request.prompt_ids)):
+            self.fastgen.declined.add(request_id)
+        elif self.fastgen.adopt(request_id, request.prompt_ids, profile, block_ids):
+            self.block_manager.free(request_id)
 
     def _accept_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params
@@ -359,6 +343,8 @@ class LLMEngine:
             return self._finish(seq, FinishReason.STOP, [])
         seq.token_ids.append(token)
         seq.text += self._detokenizers[seq.request_id].push(token)
+        if self.fastgen is not None and self.fastgen.holds(seq.request_id):
+            seq.kv_bytes_saved = self.fastgen.bytes_saved(seq.request_id)
         if params.stop and self._truncate_at_stop(seq):
             return self._finish(seq, FinishReason.STOP, [token])
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.model_config.max_position:
@@ -391,5 +377,5 @@ class LLMEngine:
         seq.num_emitted_chars = max(seq.num_emitted_chars, upto)
         return RequestOutput(
             seq.request_id, tokens, new_text, reason, seq.num_prompt_tokens, seq.num_output_tokens,
-            seq.num_cached_tokens,
+            seq.num_cached_tokens, seq.kv_bytes_saved,
         )

@@ -39,6 +39,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at the last admission
+    kv_bytes_saved: int = 0  # KV bytes FastGen did not hold after the last step (0: full cache)
     finish_reason: FinishReason | None = None
     text: str = ""
     num_emitted_chars: int = 0

@@ -12,7 +12,7 @@ prompt computed in several chunks, or mostly reused from the prefix cache, is pr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +22,9 @@ from shared.fastgen.attention import causal_row_probs
 from shared.fastgen.kept import kept_entries
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings, TokenClasses
-from shared.fastgen.profile import LayerProfile, profile_layer
-from shared.fastgen.sparse_kv import SparseKv
+from shared.fastgen.profile import profile_layer
+from shared.fastgen.sparse_kv import SparseKv, attend_lanes, evict_lanes
+from shared.fastgen.wire import PromptProfile
 
 if TYPE_CHECKING:
     from shared.engine.sequence import Sequence
@@ -33,10 +34,12 @@ DEFAULT_PROFILE_ROWS = 256
 
 @dataclass
 class _Pending:
-    """A prompt being profiled in this step: its tokens' classes and each layer's profile as it comes."""
+    """A prompt being profiled in this step: its tokens' classes and each layer's policies [num_kv_heads] and scores
+    [num_kv_heads, n] as they come."""
 
     classes: tuple[torch.Tensor, torch.Tensor]
-    layers: list[LayerProfile]
+    policies: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
 
 
 class FastGenKv:
@@ -60,6 +63,8 @@ class FastGenKv:
         self.sequences: dict[str, SparseKv] = {}
         self.pending: dict[str, _Pending] = {}
         self.declined: set[str] = set()  # profiled but no room for lanes: they stay in blocks
+        self.moves_to_lanes = True  # off on a prefill instance: it hands the profiles to decode instead
+        self.profiles: dict[str, PromptProfile] = {}  # profiled, waiting for `take_profile`
         self.entry_bytes = 2 * self.head_dim * pool.element_size()  # K and V of one token of one KV head
 
     @property
@@ -78,7 +83,7 @@ class FastGenKv:
     def start_profile(self, request_id: str, token_ids: list[int]) -> None:
         """The step computes the last chunk of this request's prompt (`token_ids`)."""
         special, punct = self.classes.of(torch.tensor(token_ids))
-        self.pending[request_id] = _Pending((special, punct), [])
+        self.pending[request_id] = _Pending((special, punct))
 
     def observe(self, request_id: str, layer: int, q_rows: torch.Tensor, keys: torch.Tensor) -> None:
         """One layer of a pending prompt: q_rows [W, num_heads, head_dim], its last W query rows; keys
@@ -86,21 +91,23 @@ class FastGenKv:
         pending = self.pending[request_id]
         rows = q_rows[-self.profile_rows :]
         probs = causal_row_probs(rows.float(), keys.float())
-        pending.layers.append(profile_layer(probs.cpu(), pending.classes, self.num_kv_heads, self.settings))
+        profile = profile_layer(probs.cpu(), pending.classes, self.num_kv_heads, self.settings)
+        pending.policies.append(profile.policies)
+        pending.scores.append(profile.scores.float())
 
     def convert(self, request_id: str, block_ids: list[int], num_tokens: int) -> bool:
         """Move a profiled prompt's kept KV from its blocks into lanes; False (it stays in blocks, for good) when the
         pool has no room for the lanes. The caller frees the blocks after True."""
         pending = self.pending.pop(request_id)
-        policies = torch.stack([layer.policies for layer in pending.layers])  # [num_layers, num_kv_heads]
+        policies = torch.stack(pending.policies)  # [num_layers, num_kv_heads]
         sparse = SparseKv(self.lanes, self.pool, policies, self.settings, num_tokens + self.block_size)
         sparse.length = num_tokens
         everything = torch.ones(self.num_kv_heads, num_tokens, dtype=torch.bool)
         positions = torch.arange(num_tokens).expand(self.num_kv_heads, -1)
         classes = (pending.classes[0].expand(self.num_kv_heads, -1), pending.classes[1].expand(self.num_kv_heads, -1))
         kept = [  # what each layer keeps of the prompt, as after any step: bool [num_kv_heads, n]
-            kept_entries(layer.policies, positions, everything, classes, layer.scores, num_tokens, self.settings)
-            for layer in pending.layers
+            kept_entries(layer_policies, positions, everything, classes, scores, num_tokens, self.settings)
+            for layer_policies, scores in zip(pending.policies, pending.scores, strict=True)
         ]
         try:
             sparse.reserve(torch.stack([keep.sum(dim=1) for keep in kept]).to(self.pool.device))
@@ -108,22 +115,38 @@ class FastGenKv:
             self.declined.add(request_id)
             return False
         index = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
-        for layer, (keep, profile) in enumerate(zip(kept, pending.layers, strict=True)):
+        for layer, (keep, scores) in enumerate(zip(kept, pending.scores, strict=True)):
             kv = self.pool[layer].index_select(2, index).flatten(2, 3)[:, :, :num_tokens]  # [2, heads, n, D]
-            sparse.append_kept(layer, kv, keep, profile.scores, pending.classes)
+            sparse.append_kept(layer, kv, keep, scores, pending.classes)
         self.sequences[request_id] = sparse
         return True
 
     def move_profiled(self, running: Mapping[str, Sequence], restarted: set[str]) -> None:
         """After a step: each prompt profiled in it moves to lanes and its blocks are freed (they stay in the prefix
-        cache); one that finished, or whose step was void (`restarted`), is dropped."""
+        cache), or with `moves_to_lanes` off waits for `take_profile`; one that finished, or whose step was void
+        (`restarted`), is dropped."""
         block_manager = self.lanes.block_manager
         for request_id in list(self.pending):
             seq = running.get(request_id)
             if seq is None or request_id in restarted:
                 self.release(request_id)
+            elif not self.moves_to_lanes:
+                pending = self.pending.pop(request_id)
+                self.profiles[request_id] = PromptProfile(torch.stack(pending.policies), torch.stack(pending.scores))
             elif self.convert(request_id, block_manager.block_ids(request_id), seq.num_computed_tokens):
                 block_manager.free(request_id)
+
+    def take_profile(self, request_id: str) -> PromptProfile | None:
+        """The profile of a prompt this engine computed but does not decode (`moves_to_lanes` off), once."""
+        return self.profiles.pop(request_id, None)
+
+    def adopt(self, request_id: str, token_ids: list[int], profile: PromptProfile, block_ids: list[int]) -> bool:
+        """A prompt computed elsewhere, its KV now in `block_ids`, with the profile made there: into lanes, as
+        `convert` (the caller frees the blocks after True)."""
+        self.start_profile(request_id, token_ids)
+        pending = self.pending[request_id]
+        pending.policies, pending.scores = list(profile.policies), list(profile.scores.float())
+        return self.convert(request_id, block_ids, len(token_ids))
 
     # ---- decode ------------------------------------------------------------------------------------------------
 
@@ -147,16 +170,15 @@ class FastGenKv:
             [S, num_heads, head_dim].
         """
         special, punct = self.classes.of(torch.tensor(token_ids))
-        out = torch.empty_like(q)
-        for row, request_id in enumerate(request_ids):
-            sparse = self.sequences[request_id]
+        sequences = [self.sequences[request_id] for request_id in request_ids]
+        for row, sparse in enumerate(sequences):
             if layer == 0:
                 sparse.length += 1
             position = torch.tensor([sparse.length - 1])
             sparse.append(layer, k[row : row + 1], v[row : row + 1], position, special[row : row + 1],
                           punct[row : row + 1])
-            out[row] = sparse.attend(layer, q[row], self.scale)
-            sparse.evict(layer)
+        out = attend_lanes(sequences, layer, q, self.scale)
+        evict_lanes(sequences, layer)
         return out
 
     def release(self, request_id: str) -> None:
@@ -165,6 +187,7 @@ class FastGenKv:
         if sparse is not None:
             sparse.release()
         self.pending.pop(request_id, None)
+        self.profiles.pop(request_id, None)
         self.declined.discard(request_id)
 
     # ---- figures -----------------------------------------------------------------------------------------------
@@ -173,6 +196,10 @@ class FastGenKv:
         """KV bytes the request's kept entries take (its lanes' slots take a little more: the last one per lane is
         partly empty)."""
         return self.sequences[request_id].num_entries * self.entry_bytes
+
+    def total_bytes_saved(self) -> int:
+        """`bytes_saved` summed over every request in lanes."""
+        return sum(self.bytes_saved(request_id) for request_id in self.sequences)
 
     def bytes_saved(self, request_id: str) -> int:
         """KV bytes the request does not hold, against keeping every token of every lane."""

@@ -74,24 +74,26 @@ def policy_masks(
 
 def kept_entries(
     policies: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor],
-    scores: torch.Tensor, length: int, settings: FastGenSettings,
+    scores: torch.Tensor, lengths: torch.Tensor | int, settings: FastGenSettings,
 ) -> torch.Tensor:
-    """What each KV head keeps of its entries after a step over a sequence `length` tokens long: `policy_masks`'
-    rules for keys stored in any order (the engine's lanes), each entry knowing its position and class.
+    """What each lane keeps of its entries after a step over its sequence's `lengths` tokens: `policy_masks`' rules
+    for keys stored in any order (the engine's lanes), each entry knowing its position and class.
 
     Args:
-        policies: long [kv_heads]; positions: long [kv_heads, E]; valid: bool [kv_heads, E], the entries held.
-        classes: (special, punct), bool [kv_heads, E] each; scores: [kv_heads, E], accumulated attention.
+        policies: long [R], each lane's `Policy`; positions: long [R, E]; valid: bool [R, E], the entries held.
+        classes: (special, punct), bool [R, E] each; scores: [R, E], accumulated attention.
+        lengths: long [R], or one length for every lane.
     Returns:
-        bool [kv_heads, E], within `valid`: FULL keeps every valid entry.
+        bool [R, E], within `valid`: FULL keeps every valid entry.
     """
     special, punct = classes
-    budgets = ratio_budget(settings.r_frequent, torch.tensor([length]))
+    lengths = torch.as_tensor(lengths).expand(valid.shape[0]).cpu()
     kept_special = valid & special
     kept_punct = kept_special | (valid & punct)
-    kept_frequent = kept_punct | top_scored(scores[:, None], valid[:, None], budgets)[:, 0]
-    window = int(ratio_budget(settings.r_local, torch.tensor([length]))[0])
-    kept_local = kept_frequent | (valid & (positions >= length - window))
+    heavy = top_scored(scores[None], valid[None], ratio_budget(settings.r_frequent, lengths))[0]
+    kept_frequent = kept_punct | heavy
+    oldest_local = (lengths - ratio_budget(settings.r_local, lengths)).to(valid.device)
+    kept_local = kept_frequent | (valid & (positions >= oldest_local[:, None]))
     options = torch.stack([kept_special, kept_punct, kept_frequent, kept_local, valid])  # indexed by Policy
     return options[policies, torch.arange(valid.shape[0], device=valid.device)]
 

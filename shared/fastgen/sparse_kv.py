@@ -11,6 +11,7 @@ back once empty. What a policy keeps is `kept.kept_entries`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from shared.fastgen.kept import kept_entries
 from shared.fastgen.lanes import LaneSlots
@@ -43,6 +44,8 @@ class SparseKv:
         self.punct = torch.zeros(shape, dtype=torch.bool, device=self.device)
         self.counts = torch.zeros(num_layers, num_kv_heads, dtype=torch.long, device=self.device)
         self.slot_table = torch.zeros(num_layers, num_kv_heads, 1, dtype=torch.long, device=self.device)
+        self.row_bases = torch.zeros_like(self.slot_table)  # each slot's first K row in `rows`
+        self.v_offset = num_kv_heads * self.num_blocks * self.block_size  # V's rows follow K's by this many
         self.num_slots = [[0] * num_kv_heads for _ in range(num_layers)]
 
     @property
@@ -78,6 +81,7 @@ class SparseKv:
         self._grow(max(int((self.counts + num_new).max()), 1))
         for (layer, head), slot in zip(missing, slots, strict=True):
             self.slot_table[layer, head, self.num_slots[layer][head]] = slot
+            self.row_bases[layer, head, self.num_slots[layer][head]] = self._row_base(slot)
             self.num_slots[layer][head] += 1
 
     def release(self) -> None:
@@ -97,22 +101,23 @@ class SparseKv:
                 setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra)], dim=-1))
         slots = -(-entries // self.block_size)
         if slots > self.slot_table.shape[-1]:
-            old = self.slot_table
-            self.slot_table = torch.cat([old, old.new_zeros(*old.shape[:2], 2 * slots - old.shape[-1])], dim=-1)
+            extra = 2 * slots - self.slot_table.shape[-1]
+            for name in ("slot_table", "row_bases"):
+                old = getattr(self, name)
+                setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra)], dim=-1))
 
     # ---- entries ----------------------------------------------------------------------------------------------
 
     def _flat_rows(self, layer: int, entries: torch.Tensor, kv: int) -> torch.Tensor:
         """Rows of `self.rows` holding entries [kv_heads, E] (entry indices per head) of a layer's lanes, K (0) or
         V (1)."""
-        slots = self.slot_table[layer].gather(1, torch.div(entries, self.block_size, rounding_mode="floor"))
-        block, lane = slots.div(self.lanes.slots_per_block, rounding_mode="floor"), slots % self.lanes.slots_per_block
-        pool_layer = lane.div(self.lanes.num_kv_heads, rounding_mode="floor")
-        head = lane % self.lanes.num_kv_heads
-        num_kv_heads = self.lanes.num_kv_heads
-        return (((pool_layer * 2 + kv) * num_kv_heads + head) * self.num_blocks + block) * self.block_size + (
-            entries % self.block_size
-        )
+        bases = self.row_bases[layer].gather(1, torch.div(entries, self.block_size, rounding_mode="floor"))
+        return bases + entries % self.block_size + kv * self.v_offset
+
+    def _row_base(self, slot: int) -> int:
+        """The row of K of a slot's first entry."""
+        block, layer, head = self.lanes.locate(slot)
+        return ((layer * 2 * self.lanes.num_kv_heads + head) * self.num_blocks + block) * self.block_size
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, special: torch.Tensor,
@@ -150,10 +155,9 @@ class SparseKv:
         for head in range(keep.shape[0]):
             kept = keep[head].nonzero().flatten().to(self.device)
             entries = self.counts[layer, head] + torch.arange(kept.numel(), device=self.device)
-            rows = self._flat_rows(layer, _one_head(entries, head, self.lanes.num_kv_heads), 0)[head]
+            rows = self.row_bases[layer, head, entries // self.block_size] + entries % self.block_size
             self.rows[rows] = kv[0, head, kept].to(self.rows.dtype)
-            rows = self._flat_rows(layer, _one_head(entries, head, self.lanes.num_kv_heads), 1)[head]
-            self.rows[rows] = kv[1, head, kept].to(self.rows.dtype)
+            self.rows[rows + self.v_offset] = kv[1, head, kept].to(self.rows.dtype)
             self.positions[layer, head, entries] = kept
             self.scores[layer, head, entries] = scores[head].to(self.device, torch.float32)[kept]
             self.special[layer, head, entries] = classes[0].to(self.device)[kept]
@@ -161,42 +165,33 @@ class SparseKv:
             self.counts[layer, head] += kept.numel()
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query token's attention over a layer's entries (its own, appended first, included); the attention
-        each entry gets, summed over the head's query heads, adds to its score. q: [num_heads, head_dim]."""
+        """`attend_lanes` for this sequence alone. q: [num_heads, head_dim]."""
+        return attend_lanes([self], layer, q[None], scale)[0]
+
+    def entry_rows(self, layer: int, num_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of K and of V of a layer's first `num_entries` entries per lane, long [num_kv_heads, num_entries]
+        each; entries past a lane's count repeat a held one (the caller masks them)."""
         counts = self.counts[layer]
-        num_kv_heads, num_entries = counts.shape[0], int(counts.max())
-        entries = torch.arange(num_entries, device=self.device).expand(num_kv_heads, num_entries)
-        keys = self.rows[self._flat_rows(layer, entries, 0)]  # [kv_heads, E, head_dim]
-        values = self.rows[self._flat_rows(layer, entries, 1)]
-        queries = q.view(num_kv_heads, -1, self.head_dim)  # [kv_heads, group, head_dim]
-        logits = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scale)  # [kv_heads, group, E]
-        logits.masked_fill_((entries >= counts[:, None])[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        self.scores[layer, :, :num_entries] += probs.sum(dim=1)
-        return torch.bmm(probs.to(q.dtype), values).reshape(q.shape)
+        entries = torch.arange(num_entries, device=self.device).expand(counts.shape[0], num_entries)
+        entries = torch.minimum(entries, (counts - 1).clamp(min=0)[:, None])
+        return self._flat_rows(layer, entries, 0), self._flat_rows(layer, entries, 1)
 
     def evict(self, layer: int) -> None:
-        """Apply the lanes' policies after a step over `self.length` tokens: drop what they no longer keep, fill the
-        holes with the lanes' last entries, give back emptied trailing slots."""
-        counts = self.counts[layer]
-        num_kv_heads, num_entries = counts.shape[0], int(counts.max())
+        """`evict_lanes` for this sequence alone."""
+        evict_lanes([self], layer)
+
+    def compact(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep a layer's entries where `keep` (bool [num_kv_heads, E], E = the layer's largest count) says: the
+        lanes' last kept entries move into the holes; emptied trailing slots go back."""
+        num_kv_heads, num_entries = keep.shape
         entries = torch.arange(num_entries, device=self.device).expand(num_kv_heads, num_entries)
-        valid = entries < counts[:, None]
-        window = slice(0, num_entries)
-        keep = kept_entries(
-            self.policies[layer], self.positions[layer, :, window], valid,
-            (self.special[layer, :, window], self.punct[layer, :, window]), self.scores[layer, :, window],
-            self.length, self.settings,
-        )
-        if torch.equal(keep, valid):
-            return
         kept = keep.sum(dim=1)
         holes = (~keep & (entries < kept[:, None])).nonzero(as_tuple=True)  # row-major: paired head by head
         movers = (keep & (entries >= kept[:, None])).nonzero(as_tuple=True)
         if holes[0].numel():
-            for kv in (0, 1):
-                rows = self._flat_rows(layer, entries, kv)
-                self.rows[rows[holes]] = self.rows[rows[movers]]
+            rows = self._flat_rows(layer, entries, 0)
+            for offset in (0, self.v_offset):
+                self.rows[rows[holes] + offset] = self.rows[rows[movers] + offset]
             for name in ("positions", "scores", "special", "punct"):
                 target = getattr(self, name)[layer]
                 target[holes] = target[movers]
@@ -215,8 +210,55 @@ class SparseKv:
             self.lanes.give_back(freed)
 
 
-def _one_head(entries: torch.Tensor, head: int, num_kv_heads: int) -> torch.Tensor:
-    """[num_kv_heads, E] entry indices: `entries` on row `head`, zeros elsewhere (for `_flat_rows`)."""
-    out = torch.zeros(num_kv_heads, entries.numel(), dtype=torch.long, device=entries.device)
-    out[head] = entries
-    return out
+def attend_lanes(sequences: list[SparseKv], layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its layer's entries (each token's own, appended first, included), every
+    sequence in one batched product; the attention each entry gets, summed over its head's query heads, adds to the
+    entry's score.
+
+    Args:
+        sequences: lanes of one pool; q: [len(sequences), num_heads, head_dim].
+    Returns:
+        [len(sequences), num_heads, head_dim].
+    """
+    first = sequences[0]
+    num_seqs, num_heads, head_dim = q.shape
+    counts = torch.stack([sparse.counts[layer] for sparse in sequences])  # [S, kv_heads]
+    num_kv_heads, num_entries = counts.shape[1], int(counts.max())
+    rows = [sparse.entry_rows(layer, num_entries) for sparse in sequences]
+    k_rows = torch.stack([k for k, _ in rows]).flatten()
+    v_rows = torch.stack([v for _, v in rows]).flatten()
+    keys = first.rows.index_select(0, k_rows).view(num_seqs * num_kv_heads, num_entries, head_dim)
+    values = first.rows.index_select(0, v_rows).view(num_seqs * num_kv_heads, num_entries, head_dim)
+    queries = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
+    logits = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scale)  # [S * kv_heads, group, E]
+    padding = torch.arange(num_entries, device=q.device) >= counts.reshape(-1, 1)  # [S * kv_heads, E]
+    logits.masked_fill_(padding[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    received = probs.sum(dim=1).view(num_seqs, num_kv_heads, num_entries)
+    for sparse, scores in zip(sequences, received, strict=True):
+        sparse.scores[layer, :, :num_entries] += scores[:, : sparse.scores.shape[-1]]
+    return torch.bmm(probs.to(q.dtype), values).view(num_seqs, num_heads, head_dim)
+
+
+def evict_lanes(sequences: list[SparseKv], layer: int) -> None:
+    """Apply each lane's policy after a step over its sequence's `length` tokens (every sequence's lanes of the layer
+    judged at once), then `compact` the sequences that drop something."""
+    first = sequences[0]
+    counts = torch.stack([sparse.counts[layer] for sparse in sequences])  # [S, kv_heads]
+    num_seqs, num_kv_heads = counts.shape
+    num_entries = int(counts.max())
+
+    def lanes(name: str) -> torch.Tensor:  # [S * kv_heads, E], each sequence's metadata padded to E
+        return torch.cat([F.pad(getattr(s, name)[layer, :, :num_entries], (0, max(
+            0, num_entries - getattr(s, name).shape[-1]))) for s in sequences])
+
+    valid = (torch.arange(num_entries, device=first.device) < counts.reshape(-1, 1))
+    lengths = torch.tensor([sparse.length for sparse in sequences]).repeat_interleave(num_kv_heads)
+    policies = torch.cat([sparse.policies[layer] for sparse in sequences])
+    keep = kept_entries(policies, lanes("positions"), valid, (lanes("special"), lanes("punct")), lanes("scores"),
+                        lengths, first.settings).view(num_seqs, num_kv_heads, num_entries)
+    valid = valid.view(num_seqs, num_kv_heads, num_entries)
+    for sparse, seq_keep, seq_valid, seq_counts in zip(sequences, keep, valid, counts, strict=True):
+        held = int(seq_counts.max())
+        if not torch.equal(seq_keep, seq_valid):
+            sparse.compact(layer, seq_keep[:, :held])

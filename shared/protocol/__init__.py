@@ -13,6 +13,7 @@ from shared.protocol.messages import (
     Cancel,
     DecodeTask,
     ErrorType,
+    FastGenProfilePart,
     Heartbeat,
     KvChunk,
     KvEvent,
@@ -29,7 +30,8 @@ from shared.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjects, i
 
 __all__ = [
     "PROTOCOL_VERSION", "PREFILL_QUEUE", "SCHEDULER_QUEUE", "Ack", "BlockGet", "BlockHas", "BlockHasReply",
-    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "Heartbeat", "KvChunk", "KvEvent", "Message",
+    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "FastGenProfilePart", "Heartbeat", "KvChunk",
+    "KvEvent", "Message",
     "PrefillTask", "ProtocolError", "Role", "Sampling", "Snapshot", "SnapshotRequest", "StreamEvent", "SubmitReply",
     "SubmitRequest", "Subjects",
     "decode", "encode", "is_valid_request_id", "message", "message_types",

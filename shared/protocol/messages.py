@@ -123,6 +123,7 @@ class DecodeTask(Message):
     and already streamed to the gateway, together with the first `num_emitted_chars` characters of text.
     """
 
+    VERSION: ClassVar[int] = 2
     request_id: str
     prompt_ids: list[int]
     first_token: int
@@ -131,6 +132,29 @@ class DecodeTask(Message):
     num_chunks: int
     num_cached_tokens: int
     prefill_id: str
+    num_profile_parts: int = 0  # FastGenProfilePart messages that come with the KV (0: keep every token)
+
+
+@message("fastgen-profile-part")
+@dataclass(frozen=True)
+class FastGenProfilePart(Message):
+    """prefill -> decode (`decode.<id>.kv`), after the prompt's KV chunks: one part of its FastGen profile, so decode
+    keeps per layer and KV head only what that head's policy keeps (`shared.fastgen.wire`).
+
+    `policies` is uint8 [num_layers, num_kv_heads] (every part repeats it); the parts' `data`, joined in `seq` order,
+    is the prompt's accumulated attention, float32 [num_layers, num_kv_heads, num_tokens], compressed as `codec`
+    says; `checksum` is xxh3-64 of this part's `data`.
+    """
+
+    request_id: str
+    seq: int
+    total: int
+    num_tokens: int
+    policies: bytes
+    codec: str
+    raw_size: int
+    checksum: int
+    data: bytes
 
 
 @message("kv-chunk")
@@ -171,6 +195,7 @@ class StreamEvent(Message):
     can order events from the two publishers. A failure has `error_type` set and no tokens.
     """
 
+    VERSION: ClassVar[int] = 2
     request_id: str
     index: int
     token_ids: list[int]
@@ -180,6 +205,7 @@ class StreamEvent(Message):
     num_cached_tokens: int = 0
     error_type: str = ""
     error: str = ""
+    kv_bytes_saved: int = 0  # decode with FastGen: KV bytes this request does not hold after these tokens
 
     @classmethod
     def failure(cls, request_id: str, error_type: str, error: str) -> StreamEvent:
@@ -208,7 +234,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
 
     instance_id: str
     role: str
@@ -235,6 +261,7 @@ class Heartbeat(Message):
     kv_stored_blocks: int = 0
     kv_moved_bytes: int = 0
     kv_moved_tokens: int = 0
+    kv_saved_bytes: int = 0  # decode with FastGen: KV bytes its running requests do not hold (against full caches)
 
 
 @message("kv-event")

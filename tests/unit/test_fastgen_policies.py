@@ -1,6 +1,7 @@
-"""FastGen's policies and what they keep: the order and names, the settings' validation, the token classes, the policy
-masks, the decode rules (FastGen's, StreamingLLM's, H2O's), and decoding with them: the local window slides, heavy
-hitters follow the accumulated attention, evicted keys never come back, each head sees only what it kept."""
+"""FastGen's policies and what they keep: the order and names, the settings' validation (and their TSUKIMI_*
+variables), the token classes, the policy masks, the decode rules (FastGen's, StreamingLLM's, H2O's), and decoding
+with them: the local window slides, heavy hitters follow the accumulated attention, evicted keys never come back, each
+head sees only what it kept."""
 
 from __future__ import annotations
 
@@ -229,3 +230,20 @@ def test_each_variant_sees_only_what_its_rule_kept() -> None:
         out = ctx.attend(0, q_new, k_new, v_new, k_new)
         torch.testing.assert_close(out[1], v_new[1].expand(2, 4))  # only its own key: its own value
         assert ctx.visible_counts[:, 0, 0].tolist() == [9 + step, 1]
+
+
+def test_the_settings_read_fastgen_from_the_environment() -> None:
+    from shared.config import ConfigError, load_settings
+
+    env = {"TSUKIMI_KV_POLICY": "fastgen", "TSUKIMI_FASTGEN_T": "0.9", "TSUKIMI_FASTGEN_PROFILE_ROWS": "64"}
+    engine = load_settings("decode", env).engine
+    assert engine.kv_policy == "fastgen" and engine.fastgen.threshold == 0.9 and engine.fastgen.profile_rows == 64
+    assert load_settings("decode", {}).engine.kv_policy == "full"
+    with pytest.raises(ConfigError, match="threshold T must be in"):
+        load_settings("decode", {**env, "TSUKIMI_FASTGEN_T": "1.5"})
+    with pytest.raises(ConfigError, match="unknown KV policy"):
+        load_settings("decode", {"TSUKIMI_KV_POLICY": "h2o"})
+    with pytest.raises(ConfigError, match="does not run over a KV codec"):
+        load_settings("decode", {**env, "TSUKIMI_KV_CODEC": "kvquant-4"})
+    with pytest.raises(ConfigError, match="applies to the real engine"):
+        load_settings("decode", {**env, "TSUKIMI_ENGINE": "sim"})

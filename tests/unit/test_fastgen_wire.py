@@ -1,0 +1,52 @@
+"""A FastGen profile on the wire: parts of bounded size that reassemble exactly in any order; a corrupt, conflicting,
+missing or misshapen part is refused with a clear error, and a discarded request leaves nothing behind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared.fastgen.wire import ProfileError, ProfileParts, PromptProfile, profile_parts
+
+LAYERS, HEADS, TOKENS = 4, 3, 500
+
+
+def _profile() -> PromptProfile:
+    generator = torch.Generator().manual_seed(0)
+    policies = torch.randint(0, 5, (LAYERS, HEADS), generator=generator)
+    return PromptProfile(policies, torch.rand(LAYERS, HEADS, TOKENS, generator=generator) * 40)
+
+
+def test_parts_reassemble_the_profile_in_any_order() -> None:
+    profile = _profile()
+    parts = profile_parts("r", profile, part_bytes=4096)
+    assert len(parts) > 2 and all(len(p.data) <= 4096 for p in parts)
+    received = ProfileParts()
+    for part in reversed(parts):
+        received.add(part)
+    assert received.num_received("r") == len(parts)
+    back = received.take("r", LAYERS, HEADS, TOKENS)
+    assert torch.equal(back.policies, profile.policies) and torch.equal(back.scores, profile.scores)
+    assert received.num_received("r") == 0
+
+
+def test_bad_parts_are_refused() -> None:
+    parts = profile_parts("r", _profile(), part_bytes=4096)
+    received = ProfileParts()
+    with pytest.raises(ProfileError, match="checksum"):
+        received.add(dataclasses.replace(parts[0], data=parts[0].data[:-1] + b"\x00"))
+    received.add(parts[0])
+    with pytest.raises(ProfileError, match="disagrees"):
+        received.add(dataclasses.replace(parts[1], num_tokens=TOKENS + 1))
+    with pytest.raises(ProfileError, match="parts received"):
+        received.take("r", LAYERS, HEADS, TOKENS)
+    for part in parts:
+        received.add(part)
+    with pytest.raises(ProfileError, match="is not"):
+        received.take("r", LAYERS, HEADS, TOKENS - 1)
+    received.add(parts[0])
+    received.discard("r")
+    assert received.num_received("r") == 0
+
