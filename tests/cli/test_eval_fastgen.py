@@ -128,7 +128,7 @@ def test_help_explains_eval_fastgen() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [(["--text", "/nonexistent/text.txt"], "cannot read text file"),
-     (["--text", "/work/shared/data/text/lee_background.txt", "--prompt-len", "9000"], "positions")],
+     (["--text", str(Path(__file__).parents[2] / "README.md"), "--prompt-len", "9000"], "positions")],
 )
 def test_bad_input_found_after_loading_exits_2(args: list[str], message: str) -> None:
     result = tsukimi("eval", "fastgen", *args)

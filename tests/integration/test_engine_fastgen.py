@@ -4,6 +4,8 @@ gives them all back; under a pool too small for everyone it preempts and still c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from shared.model.llama import build_model
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-TEXT = "../shared/data/text/lee_background.txt"
+TEXT = Path(__file__).parents[2] / "README.md"  # English prose that travels with the repository
 
 
 def _prompt(engine: LLMEngine, num_tokens: int = 300) -> list[int]:

@@ -5,6 +5,7 @@ the same prompt; the usage reports the KV bytes it did not hold; a short prompt 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from tests.integration.system_fixture import System, start_system, stop_system
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
-TEXT = "../shared/data/text/lee_background.txt"
+TEXT = Path(__file__).parents[2] / "README.md"  # English prose that travels with the repository
 SETTINGS = FastGenSettings(threshold=0.9, profile_rows=256)
 FP32_TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # K and V of one token over SmolLM2's 30 layers, 3 KV heads, head dim 64
 
