@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 # The hash functions are re-exported: services import them from here.
+from shared.block_checks import InvariantChecks
 from shared.block_hash import block_hashes, chain_hash, hash_block, le_bytes, make_namespace, u32_tokens
 
 __all__ = [
@@ -45,7 +46,7 @@ class _Seq:
     is_loading: bool = False  # blocks from num_published on wait for KV written from outside (start_loading)
 
 
-class BlockManager:
+class BlockManager(InvariantChecks):
     """Pages sequences onto ``num_blocks`` physical blocks of ``block_size`` token slots, reusing prefixes.
 
     Every block is in exactly one state: free (contents are garbage), cached-unreferenced (registered in
@@ -364,57 +365,3 @@ class BlockManager:
         if removed and self.on_event is not None:
             self.on_event(REMOVED, removed)
         return taken
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if block states, reference counts or the prefix index are inconsistent."""
-        holders = [0] * self._num_blocks
-        for seq_id, seq in self._seqs.items():
-            self._check_seq(seq_id, seq)
-            for block_id in seq.block_ids:
-                holders[block_id] += 1
-        for block_id in self._raw:
-            holders[block_id] += 1
-            _require(self._block_hash[block_id] is None, f"raw block {block_id} is registered")
-        _require(holders == self._ref_counts, f"ref counts {self._ref_counts} != table holders {holders}")
-        free, evictable = set(self._free), set(self._evictable)
-        referenced = {b for b in range(self._num_blocks) if self._ref_counts[b] > 0}
-        _require(len(free) == len(self._free), "a block is twice on the free list")
-        num_in_states = len(free) + len(evictable) + len(referenced)
-        _require(
-            len(free | evictable | referenced) == num_in_states == self._num_blocks,
-            f"blocks not in exactly one state: free {free}, evictable {evictable}, referenced {referenced}",
-        )
-        for block_id in free:
-            _require(self._block_hash[block_id] is None, f"free block {block_id} is registered")
-        for block_id, block_hash in self._evictable.items():
-            _require(self._block_hash[block_id] == block_hash, f"evictable block {block_id} not registered")
-        for block_hash, block_id in self._index.items():
-            _require(self._block_hash[block_id] == block_hash, f"index entry {block_hash:#x} -> {block_id}")
-        num_registered = sum(1 for h in self._block_hash if h is not None)
-        _require(num_registered == len(self._index), "a block is registered outside the index")
-        num_with_tokens = sum(1 for t in self._block_tokens if t is not None)
-        _require(num_with_tokens == num_registered, "stored block tokens out of step with registrations")
-
-    def _check_seq(self, seq_id: Hashable, seq: _Seq) -> None:
-        size = self._block_size
-        expected = block_hashes(seq.token_ids, size, self._namespace)
-        _require(len(seq.block_ids) == self._num_blocks_for(len(seq.token_ids)), f"{seq_id!r}: table size")
-        _require(len(set(seq.block_ids)) == len(seq.block_ids), f"{seq_id!r}: a block twice in one table")
-        _require(0 <= seq.num_computed <= len(seq.token_ids), f"{seq_id!r}: num_computed out of range")
-        _require(seq.hashes == expected[: len(seq.hashes)], f"{seq_id!r}: stale chained hashes")
-        num_full = seq.num_computed // size
-        _require(seq.num_published <= num_full, f"{seq_id!r}: published past the computed blocks")
-        _require(seq.is_loading or seq.num_published == num_full, f"{seq_id!r}: computed blocks left unpublished")
-        for i, block_id in enumerate(seq.block_ids):
-            if self._block_hash[block_id] is None:
-                continue
-            where = f"{seq_id!r} block {i} (id {block_id})"
-            _require(i < seq.num_published, f"{where}: registered but not computed (or still loading)")
-            _require(self._block_hash[block_id] == expected[i], f"{where}: hash mismatch")
-            tokens = seq.token_ids[i * size : (i + 1) * size]
-            _require(self._block_tokens[block_id] == tokens, f"{where}: holds other tokens")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
