@@ -108,11 +108,11 @@ class SparseKv:
 
     # ---- entries ----------------------------------------------------------------------------------------------
 
-    def _flat_rows(self, layer: int, entries: torch.Tensor, kv: int) -> torch.Tensor:
-        """Rows of `self.rows` holding entries [kv_heads, E] (entry indices per head) of a layer's lanes, K (0) or
-        V (1)."""
+    def _flat_rows(self, layer: int, entries: torch.Tensor) -> torch.Tensor:
+        """Rows of `self.rows` holding the K of entries [kv_heads, E] (entry indices per head) of a layer's lanes;
+        their V is `v_offset` rows further."""
         bases = self.row_bases[layer].gather(1, torch.div(entries, self.block_size, rounding_mode="floor"))
-        return bases + entries % self.block_size + kv * self.v_offset
+        return bases + entries % self.block_size
 
     def _row_base(self, slot: int) -> int:
         """The row of K of a slot's first entry."""
@@ -134,8 +134,9 @@ class SparseKv:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         num_kv_heads, num_new = k.shape[:2]
         entries = self.counts[layer][:, None] + torch.arange(num_new, device=self.device)  # [kv_heads, n]
-        self.rows[self._flat_rows(layer, entries, 0)] = k.to(self.rows.dtype)
-        self.rows[self._flat_rows(layer, entries, 1)] = v.to(self.rows.dtype)
+        rows = self._flat_rows(layer, entries)
+        self.rows[rows] = k.to(self.rows.dtype)
+        self.rows[rows + self.v_offset] = v.to(self.rows.dtype)
         for name, values in (("positions", positions), ("special", special), ("punct", punct)):
             target = getattr(self, name)[layer]
             target.scatter_(1, entries, values.to(self.device).expand(num_kv_heads, num_new))
@@ -174,7 +175,8 @@ class SparseKv:
         counts = self.counts[layer]
         entries = torch.arange(num_entries, device=self.device).expand(counts.shape[0], num_entries)
         entries = torch.minimum(entries, (counts - 1).clamp(min=0)[:, None])
-        return self._flat_rows(layer, entries, 0), self._flat_rows(layer, entries, 1)
+        rows = self._flat_rows(layer, entries)
+        return rows, rows + self.v_offset
 
     def evict(self, layer: int) -> None:
         """`evict_lanes` for this sequence alone."""
@@ -189,7 +191,7 @@ class SparseKv:
         holes = (~keep & (entries < kept[:, None])).nonzero(as_tuple=True)  # row-major: paired head by head
         movers = (keep & (entries >= kept[:, None])).nonzero(as_tuple=True)
         if holes[0].numel():
-            rows = self._flat_rows(layer, entries, 0)
+            rows = self._flat_rows(layer, entries)
             for offset in (0, self.v_offset):
                 self.rows[rows[holes] + offset] = self.rows[rows[movers] + offset]
             for name in ("positions", "scores", "special", "punct"):

@@ -105,7 +105,7 @@ def test_a_local_lane_keeps_the_newest_tokens_with_their_kv_and_gives_slots_back
     assert sparse.counts[0].tolist() == [window] * HEADS
     assert sorted(sparse.positions[0, 0, :count].tolist()) == list(range(20 - window, 20))
     entries = torch.arange(count).expand(HEADS, count)
-    stored = sparse.rows[sparse._flat_rows(0, entries, 0)]  # [heads, count, dim], in entry order
+    stored = sparse.rows[sparse._flat_rows(0, entries)]  # [heads, count, dim], in entry order
     for head in range(HEADS):
         for entry in range(count):
             position = int(sparse.positions[0, head, entry])
