@@ -61,7 +61,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_FASTGEN_T", "0.95", "FastGen: attention mass a head's policy must recover, in (0, 1]"),
         EnvVar("TSUKIMI_FASTGEN_R_LOCAL", "0.3", "FastGen: the local window, a share of the length"),
         EnvVar("TSUKIMI_FASTGEN_R_FREQUENT", "0.3", "FastGen: the heavy-hitter budget, a share of the length"),
-        EnvVar("TSUKIMI_FASTGEN_PROFILE_ROWS", "256", "FastGen: the prompt's last query rows it profiles on"),
+        EnvVar("TSUKIMI_FASTGEN_PROFILE_ROWS", "512", "FastGen: the prompt's last query rows it profiles on"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
         EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
