@@ -120,10 +120,13 @@ class DecodeService:
             error = self.receiver.add(msg)
             if error is not None:
                 self._waiting.pop(msg.request_id, None)
+                self.profiles.discard(msg.request_id)
                 await self._fail(msg.request_id, str(error))
                 return
             await self._maybe_ready(msg.request_id)
         elif isinstance(msg, FastGenProfilePart):
+            if self.receiver.is_closed(msg.request_id):  # its KV stream failed or was cancelled: nothing to join
+                return
             try:
                 self.profiles.add(msg)
             except ProfileError as exc:

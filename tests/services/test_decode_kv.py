@@ -1,11 +1,12 @@
 """The decode service on a real nats-server and the real model: complete KV streams decode; a corrupt chunk fails
-its request at once, a missing chunk after the deadline; a cancel shrinks the batch; the others keep being served."""
+its request at once, a missing chunk after the deadline; a FastGen profile that follows the KV is waited for, and a
+corrupt one fails its request; a cancel shrinks the batch; the others keep being served."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import torch
@@ -15,11 +16,13 @@ from shared.bus import Bus
 from shared.config import load_settings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.kv_wire import chunk_layer_kv, num_kv_chunks
 from shared.protocol import (
     Cancel,
     DecodeTask,
     ErrorType,
+    FastGenProfilePart,
     Heartbeat,
     KvChunk,
     PrefillTask,
@@ -71,13 +74,24 @@ class Client:
             out += chunk_layer_kv(request_id, layer, kv, len(out), total, 4096)
         return out
 
-    async def send(self, request_id: str, chunks: list[KvChunk], max_tokens: int = 4) -> None:
+    async def send(
+        self, request_id: str, chunks: list[KvChunk], max_tokens: int = 4, profile: Sequence[FastGenProfilePart] = (),
+        num_profile_parts: int | None = None,
+    ) -> None:
+        """The chunks, then the profile parts, then the task (which announces `num_profile_parts`, default all)."""
         await self.listen(request_id)
-        for chunk in chunks:
-            await self.bus.publish(self.bus.subjects.decode_kv("d0"), chunk)
+        for message in [*chunks, *profile]:
+            await self.bus.publish(self.bus.subjects.decode_kv("d0"), message)
+        parts = len(profile) if num_profile_parts is None else num_profile_parts
         task = DecodeTask(request_id, list(range(100, 100 + NUM_PROMPT)), 7, 0,
-                          Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), len(chunks), 0, "p0")
+                          Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), len(chunks), 0, "p0",
+                          parts)
         await self.bus.publish(self.bus.subjects.decode_run("d0"), task)
+
+    def profile(self, request_id: str) -> list[FastGenProfilePart]:
+        cfg = self.cfg
+        policies = torch.full((cfg.num_layers, cfg.num_kv_heads), 4)
+        return profile_parts(request_id, PromptProfile(policies, torch.rand(*policies.shape, NUM_PROMPT)), 2048)
 
     async def wait_done(self, request_id: str, timeout_s: float = 30.0) -> list[StreamEvent]:
         for _ in range(int(timeout_s / 0.05)):
@@ -115,6 +129,26 @@ async def test_good_corrupt_and_missing_streams(service: DecodeService, client: 
     await client.send("after", client.chunks("after"))
     assert (await client.wait_done("after"))[-1].finish_reason == "length"
     assert len(service.receiver) == 0 and not service._waiting
+
+
+async def test_a_profile_following_the_kv_is_awaited_and_a_corrupt_one_fails(
+    service: DecodeService, client: Client
+) -> None:
+    profile = client.profile("profiled")
+    assert len(profile) > 1
+    await client.send("late", client.chunks("late"), num_profile_parts=len(profile))  # the parts never come
+    await client.send("profiled", client.chunks("profiled"), profile=profile)
+    assert (await client.wait_done("profiled"))[-1].finish_reason == "length"
+    bad = client.profile("bad")
+    bad[1] = dataclasses.replace(bad[1], data=bad[1].data[:-1] + bytes([bad[1].data[-1] ^ 1]))
+    await client.send("bad", client.chunks("bad"), profile=bad)
+    (failure,) = await client.wait_done("bad")
+    assert failure.error_type == ErrorType.KV_TRANSFER and "checksum" in failure.error
+    (stalled,) = await client.wait_done("late", timeout_s=5)
+    assert stalled.error_type == ErrorType.KV_TRANSFER and "not taken" in stalled.error
+    await client.bus.publish(client.bus.subjects.decode_kv("d0"), client.profile("late")[0])  # after the failure
+    await asyncio.sleep(0.3)
+    assert service.profiles.num_received("late") == 0 and service.profiles.num_received("bad") == 0
 
 
 async def test_cancel_shrinks_the_batch(service: DecodeService, client: Client) -> None:
