@@ -46,10 +46,6 @@ class LaneSlots:
         layer, head = divmod(lane, self.num_kv_heads)
         return block, layer, head
 
-    def can_take(self, count: int) -> bool:
-        missing = count - len(self._free)
-        return missing <= 0 or -(-missing // self.slots_per_block) <= self.block_manager.num_free_blocks
-
     def take(self, count: int) -> list[int]:
         """`count` free slots: the held blocks' free ones first (the last freed first), then new blocks'.
 

@@ -126,12 +126,9 @@ class SparseKv:
         """Add tokens to every lane of a layer (room reserved beforehand).
 
         Args:
-            k, v: [n, num_kv_heads, head_dim]; positions, special, punct: [n] per token, or [num_kv_heads, n] when
-                each head gets other tokens (then k, v are [num_kv_heads, n, head_dim]).
+            k, v: [n, num_kv_heads, head_dim]; positions, special, punct: [n], per token.
         """
-        per_head = positions.dim() == 2
-        if not per_head:
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
         num_kv_heads, num_new = k.shape[:2]
         entries = self.counts[layer][:, None] + torch.arange(num_new, device=self.device)  # [kv_heads, n]
         rows = self._flat_rows(layer, entries)
