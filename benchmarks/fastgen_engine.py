@@ -1,12 +1,14 @@
 """FastGen in the engine against the full cache, in the same run: a batch of prompts cut from an English text, each
-decoded greedily for a fixed number of tokens by one engine per setting (CPU, fp32, plain PyTorch attention). For
+decoded greedily for a fixed number of tokens by one engine per setting (CPU, fp32, plain PyTorch attention), for each
+KV codec of `--codecs` (none: fp32 tensors; kvquant-4: kvquant blocks, and kvquant records in FastGen's lanes). For
 each: the prompt step's time (FastGen profiles there), the median decode step, the most blocks held while decoding
-(prefix-cache blocks nobody holds not counted), and the share of (token, layer, KV head) entries kept at the end;
-every figure beside the full cache's, with the ratio. The settings take turns, `--rounds` times, and each time is the
+(prefix-cache blocks nobody holds not counted), the most KV bytes held (those blocks, plus a codec pool's
+full-precision tails in use), and the share of (token, layer, KV head) entries kept at the end; every figure beside
+the fp32 full cache's, with the ratio. The settings take turns, `--rounds` times, and each time is the
 median over every round's steps (this machine is shared: a setting measured only while it is busy would look slow).
 
 Not a test: it prints figures and asserts nothing. Run `python benchmarks/fastgen_engine.py` from the repository root
-(about 3 minutes with the defaults on 2 cores).
+(about 6 minutes with the defaults on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling import SamplingParams
@@ -34,12 +37,14 @@ class Figures:
     prompt_step_s: float
     decode_step_s: float  # median
     peak_blocks: int
+    peak_bytes: int
     kept_share: float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--thresholds", default="1.0,0.95,0.9", help="FastGen's T values, comma-separated")
+    parser.add_argument("--codecs", default="none,kvquant-4", help="KV codecs, comma-separated (none: fp32 tensors)")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=64)
@@ -55,14 +60,25 @@ class Run:
     prompt_step_s: float
     decode_steps_s: list[float]
     peak_blocks: int
+    peak_bytes: int
     kept_share: float
+
+
+def held_bytes(engine: LLMEngine) -> int:
+    """KV bytes the engine holds: its held blocks, and a codec pool's tails in use."""
+    manager, pool = engine.block_manager, engine.runner.pool
+    held = (manager.num_blocks - manager.num_free_blocks) * pool.block_footprint
+    if isinstance(pool, CodecKvPool):
+        held += pool.num_tails_held * pool.tails[:, :, 0].numel() * pool.tails.element_size()
+    return held
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> Run:
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)
-    manager, steps, peak, kept, started = engine.block_manager, [], 0, 1.0, time.perf_counter()
+    manager, steps, peak, peak_bytes, kept = engine.block_manager, [], 0, 0, 1.0
+    started = time.perf_counter()
     engine.step()  # every prompt in one step (the token budget holds them)
     prompt_step_s = time.perf_counter() - started
     while engine.has_unfinished():
@@ -75,14 +91,15 @@ def run(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> Run:
         engine.step()
         steps.append(time.perf_counter() - started)
         peak = max(peak, manager.num_blocks - manager.num_free_blocks)
-    return Run(prompt_step_s, steps, peak, kept)
+        peak_bytes = max(peak_bytes, held_bytes(engine))
+    return Run(prompt_step_s, steps, peak, peak_bytes, kept)
 
 
 def summarize(runs: list[Run]) -> Figures:
     """Medians over the rounds (the decode step's over every step of every round)."""
     return Figures(
         statistics.median(r.prompt_step_s for r in runs), statistics.median(s for r in runs for s in r.decode_steps_s),
-        max(r.peak_blocks for r in runs), runs[-1].kept_share,
+        max(r.peak_blocks for r in runs), max(r.peak_bytes for r in runs), runs[-1].kept_share,
     )
 
 
@@ -94,23 +111,27 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [tokens[i * args.prompt_len : (i + 1) * args.prompt_len] for i in range(args.num_prompts)]
     budget = (args.prompt_len + args.gen_len) * args.num_prompts
     base = dict(device="cpu", kv_cache_bytes=256 << 20, max_num_batched_tokens=max(2048, budget), kernels="torch")
-    configs = {"full": EngineConfig(**base)}  # type: ignore[arg-type]
-    for threshold in (float(t) for t in args.thresholds.split(",")):
-        configs[f"fastgen T={threshold}"] = EngineConfig(  # type: ignore[arg-type]
-            **base, kv_policy="fastgen", fastgen=FastGenSettings(threshold=threshold))
+    configs: dict[str, EngineConfig] = {}
+    for codec in args.codecs.split(","):
+        suffix = "" if codec == "none" else f" {codec}"
+        configs[f"full{suffix}"] = EngineConfig(**base, kv_codec=codec)  # type: ignore[arg-type]
+        for threshold in (float(t) for t in args.thresholds.split(",")):
+            configs[f"fastgen T={threshold}{suffix}"] = EngineConfig(  # type: ignore[arg-type]
+                **base, kv_codec=codec, kv_policy="fastgen", fastgen=FastGenSettings(threshold=threshold))
     runs: dict[str, list[Run]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, config in configs.items():
             runs[name].append(run(LLMEngine(checkpoint, config), prompts, args.gen_len))
     results = {name: summarize(r) for name, r in runs.items()}
-    baseline = results["full"]
+    baseline = next(iter(results.values()))  # the first codec's full cache
     print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, {args.gen_len} generated, greedy, CPU fp32, "
-          f"{args.rounds} rounds")
-    print(f"{'setting':18} {'prompt step s':>22} {'decode step ms':>22} {'peak blocks':>18} {'kept':>7}")
+          f"{args.rounds} rounds; ratios against {next(iter(results))}")
+    print(f"{'setting':28} {'prompt step s':>20} {'decode step ms':>20} {'peak blocks':>8} {'peak KV MB':>20} "
+          f"{'kept':>7}")
     for name, f in results.items():
-        print(f"{name:18} {f.prompt_step_s:10.2f} ({f.prompt_step_s / baseline.prompt_step_s:5.2f}x)    "
-              f"{f.decode_step_s * 1e3:10.1f} ({f.decode_step_s / baseline.decode_step_s:5.2f}x)    "
-              f"{f.peak_blocks:6d} ({f.peak_blocks / baseline.peak_blocks:5.2f}x)  {f.kept_share:6.1%}")
+        print(f"{name:28} {f.prompt_step_s:10.2f} ({f.prompt_step_s / baseline.prompt_step_s:5.2f}x)  "
+              f"{f.decode_step_s * 1e3:10.1f} ({f.decode_step_s / baseline.decode_step_s:5.2f}x)  {f.peak_blocks:8d}  "
+              f"{f.peak_bytes / 2**20:10.2f} ({f.peak_bytes / baseline.peak_bytes:5.3f}x)  {f.kept_share:6.1%}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({name: vars(f) for name, f in results.items()} | {"args": vars(args)}, out, indent=2)

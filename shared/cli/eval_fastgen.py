@@ -1,5 +1,5 @@
 """`tsukimi eval fastgen`: FastGen's adaptive KV eviction against the full cache on a text's continuations, with
-StreamingLLM and H2O at the same memory.
+StreamingLLM and H2O at the same memory, and optionally both the full cache and FastGen over a KV codec.
 
 Owns the `fastgen` subcommand of `eval` (the `eval` command itself is `eval_kv`'s): arguments and output. The
 measurement is `shared.fastgen.evaluate`'s.
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from shared.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
+from shared.fastgen.codec_variants import LANE_CODECS, build_lane_codec
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import FastGenSettings, Policy
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
@@ -34,8 +35,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
         "prediction, top-1 agreement, the fraction of KV kept (each decode step's kept (token, head, layer) "
         "entries over all, averaged over the steps) and the policies chosen; and the same figures for "
         "StreamingLLM (4 sinks plus the newest) and H2O (half heavy hitters, half newest) given FastGen's kept "
-        f"fraction per window and layer, spread evenly over heads. Only the text after its first "
-        f"{CALIBRATION_FRACTION:.0%} is read, as for `tsukimi eval kv`.",
+        f"fraction per window and layer, spread evenly over heads. With --kv-codec, the same figures (against the "
+        "uncoded full cache) for the full cache and FastGen with every K/V entry but the first token's stored as "
+        "the lanes' KVQuant records (keys coded before RoPE), the record size and FastGen's KV bytes over fp16's. "
+        f"Only the text after its first {CALIBRATION_FRACTION:.0%} is read, as for `tsukimi eval kv`.",
     )
     parser.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
     parser.add_argument(
@@ -57,6 +60,14 @@ def register(kinds: argparse._SubParsersAction) -> None:
         help="profile on the prompt's last W query rows (default: every row); costs heads x W x prompt-len "
         "float64 per layer",
     )
+    parser.add_argument(
+        "--kv-codec", default=None, choices=LANE_CODECS,
+        help="also decode the full cache and FastGen with every entry coded by this codec (default: none)",
+    )
+    parser.add_argument(
+        "--kv-calib", default=None, metavar="PATH",
+        help="the --kv-codec's calibration from `tsukimi calibrate kv` (default: the one shipped for SmolLM2)",
+    )
     add_eval_args(parser)
     parser.set_defaults(run=run)
 
@@ -68,6 +79,8 @@ def _settings(args: argparse.Namespace) -> tuple[FastGenSettings, WindowSpec]:
         raise CliError(str(exc)) from None
     if args.profile_rows is not None and args.profile_rows > args.prompt_len:
         raise CliError(f"--profile-rows {args.profile_rows} exceeds --prompt-len {args.prompt_len}")
+    if args.kv_calib is not None and args.kv_codec is None:
+        raise CliError("--kv-calib needs --kv-codec")
     return settings, WindowSpec(args.prompt_len, args.gen_len, args.windows)
 
 
@@ -79,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
     log("loading the model...")
     try:
         checkpoint = load_checkpoint(args.model)
+        codec = None if args.kv_codec is None else build_lane_codec(args.kv_codec, checkpoint.config, args.kv_calib)
         tokens = read_tokens(args.text, checkpoint.tokenizer)
         result = evaluate_fastgen(
-            checkpoint, tokens, settings, spec, progress=lambda index, count: log(f"window {index}/{count}")
+            checkpoint, tokens, settings, spec, progress=lambda index, count: log(f"window {index}/{count}"),
+            codec=codec,
         )
     except (FileNotFoundError, ValueError) as exc:  # TextSpanError is a ValueError
         raise CliError(str(exc)) from None
@@ -94,16 +109,23 @@ def _print_table(result: dict[str, Any]) -> None:
           f"{result['text']} ({result['num_predictions']} predictions), T={result['threshold']}, "
           f"r_l={result['r_local']}, r_f={result['r_frequent']}, {result['profile_rows']} profiled rows, "
           f"{result['elapsed_s']} s (prefill {result['prefill_s']} s, of which profiling {result['profile_s']} s)")
-    header = ("method", "ppl", "rel ppl", "KL", "top-1", "KV kept")
-    print("  ".join(f"{h:>14}" for h in header))
     rows = {"full": {"ppl": result["ppl_full"], "rel_ppl_increase": 0.0, "kl": 0.0, "top1_agreement": 1.0,
                      "kv_kept_fraction": 1.0},
             "fastgen": result, **result["baselines"]}
+    if "codec" in result:
+        rows |= {f"{name}+{result['codec']['name']}": result["codec"][name] for name in ("full", "fastgen")}
+    width = max(14, *(len(name) for name in rows))
+    header = ("method", "ppl", "rel ppl", "KL", "top-1", "KV kept")
+    print("  ".join(f"{h:>{width}}" for h in header))
     for name, figures in rows.items():
         cells = (
             name, f"{figures['ppl']:.4f}", f"{100 * figures['rel_ppl_increase']:+.3f}%", f"{figures['kl']:.5f}",
             f"{100 * figures['top1_agreement']:.2f}%", f"{100 * figures['kv_kept_fraction']:.2f}%",
         )
-        print("  ".join(f"{c:>14}" for c in cells))
+        print("  ".join(f"{c:>{width}}" for c in cells))
     histogram = ", ".join(f"{label} {count}" for label, count in result["policy_histogram"].items())
     print(f"policies (layer x KV head x window): {histogram}")
+    if "codec" in result:
+        codec = result["codec"]
+        print(f"{codec['name']}: {codec['entry_bytes']} bytes an entry against {codec['fp16_entry_bytes']} in fp16; "
+              f"FastGen over it holds {100 * codec['kv_bytes_fraction']:.2f}% of the full cache's fp16 bytes")

@@ -94,7 +94,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     add_kv_codec_args(sim, default=None)
     sim.add_argument("--kv-policy", choices=KV_POLICIES,
                      help="full: keep every token's KV; fastgen: profile each prompt's attention per KV head and keep "
-                          "only what the head's policy needs (see README, FastGen) (TSUKIMI_KV_POLICY)")
+                          "only what the head's policy needs (see README, FastGen); with a kvquant --kv-codec its "
+                          "lanes hold kvquant records (TSUKIMI_KV_POLICY)")
     sim.add_argument("--fastgen-threshold", type=float, metavar="T",
                      help="FastGen's T: the attention mass each head's policy must recover, in (0, 1]; 1 keeps every "
                           "token (TSUKIMI_FASTGEN_T; default 0.95)")

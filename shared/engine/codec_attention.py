@@ -120,7 +120,7 @@ class CodecAttention:
             rows = torch.tensor([view.first_query for view in decodes], dtype=torch.long, device=device)
             batch = fused.batch([(view.packed_ids, view.first_row, view.context_len) for view in decodes], device)
             self.decodes = (rows, batch)
-        longest = max(view.context_len for view in layout.chunks)
+        longest = max((view.context_len for view in layout.chunks), default=0)  # none: a step of FastGen lanes
         self.cos, self.sin = rotary.cos_sin(torch.arange(longest, device=pool.tails.device), pool.dtype)
 
     def attend(

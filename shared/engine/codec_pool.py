@@ -75,6 +75,10 @@ class CodecKvPool:
         return self.tails.shape[2]
 
     @property
+    def num_tails_held(self) -> int:
+        return len(self._tail_of)
+
+    @property
     def block_footprint(self) -> int:
         """What one block id costs, every layer (its codec row and its sink row; tails not included)."""
         return self.packed.shape[0] * (self.block_bytes + self.sink_bytes)

@@ -56,8 +56,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"unknown KV policy {self.kv_policy!r}: choose one of {', '.join(KV_POLICIES)}")
-        if self.kv_policy == "fastgen" and self.kv_codec != "none":
-            raise ValueError(f"FastGen does not run over a KV codec yet ({self.kv_codec}): use kv_codec none")
+        if self.kv_policy == "fastgen" and self.kv_codec != "none" and not self.kv_codec.startswith("kvquant-"):
+            raise ValueError(f"FastGen runs over the raw pool or a kvquant codec, not {self.kv_codec}")
         if self.kv_codec != "none" and self.kv_codec not in CODEC_NAMES:
             raise ValueError(f"unknown KV codec {self.kv_codec!r}: choose none or one of {', '.join(CODEC_NAMES)}")
         if self.kv_codec != "none":

@@ -23,6 +23,7 @@ from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.fastgen.engine_kv import FastGenKv
+from shared.fastgen.lane_store import CodedLaneStore, RawLaneStore
 from shared.fastgen.policies import TokenClasses
 from shared.fastgen.wire import PromptProfile
 from shared.kv_wire_packed import PackedFormat, PackedLayerKv, PackedPromptKv
@@ -125,10 +126,14 @@ class LLMEngine:
     def _attach_fastgen(self, checkpoint: Checkpoint) -> FastGenKv:
         """FastGen's lanes over this engine's pool and blocks. Raises ValueError for a pool it cannot run on."""
         pool = self.runner.pool
-        if not isinstance(self.runner, ModelRunner) or not isinstance(pool, KVPool):
-            raise ValueError("FastGen runs on the model runner over a raw KV pool (no KV codec, not the sim engine)")
+        if not isinstance(self.runner, ModelRunner):
+            raise ValueError("FastGen runs on the model runner, not the sim engine")
+        rotary = self.runner.model.rotary
+        store = RawLaneStore(pool.tensor) if isinstance(pool, KVPool) else CodedLaneStore(pool, rotary)
         classes = TokenClasses.from_tokenizer(self.tokenizer, self.model_config.vocab_size)
-        fastgen = FastGenKv(self.config.fastgen, classes, self.block_manager, pool.tensor, self.runner.scale)
+        cfg = self.model_config
+        fastgen = FastGenKv(self.config.fastgen, classes, self.block_manager, store, cfg.num_layers, cfg.num_kv_heads,
+                            self.runner.scale)
         self.runner.fastgen = fastgen
         self.scheduler.lanes = fastgen
         return fastgen

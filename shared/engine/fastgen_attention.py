@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.batching import ScheduledChunk
-from shared.engine.kv_cache import KVPool, PagedAttention
+from shared.engine.codec_attention import CodecAttention
+from shared.engine.kv_cache import PagedAttention
 from shared.fastgen.engine_kv import FastGenKv
 
 
@@ -38,19 +39,19 @@ class FastGenAttention:
     """The model's `AttentionContext` for a step with lane rows [0, S) and paged rows after them.
 
     Args:
-        paged: the paged context of the paged rows (its metadata counts rows from the first paged one).
-        fastgen: the engine's lanes.
+        paged: the paged context of the paged rows (its metadata counts rows from the first paged one): a raw or a
+            codec pool's.
+        fastgen: the engine's lanes (their store reads a profiled prompt's keys from the paged pool).
         lane_chunks: one decode token each, in row order.
         paged_chunks: the others, in row order.
         block_tables: of the paged chunks.
-        pool: the paged pool (where a profiled prompt's keys are read).
     """
 
     def __init__(
-        self, paged: PagedAttention, fastgen: FastGenKv, lane_chunks: list[ScheduledChunk],
-        paged_chunks: list[ScheduledChunk], block_tables: dict[str, list[int]], pool: KVPool,
+        self, paged: PagedAttention | CodecAttention, fastgen: FastGenKv, lane_chunks: list[ScheduledChunk],
+        paged_chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
     ) -> None:
-        self.paged, self.fastgen, self.pool = paged, fastgen, pool
+        self.paged, self.fastgen = paged, fastgen
         self.request_ids = [c.seq.request_id for c in lane_chunks]
         self.token_ids = [c.seq.token_ids[c.seq.num_computed_tokens] for c in lane_chunks]
         self.profiled: list[_Profiled] = []
@@ -69,18 +70,19 @@ class FastGenAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
     ) -> torch.Tensor:
         num_lane_rows = len(self.request_ids)
+        lane_keys = k_pre_rope if self.fastgen.store.keys_before_rope else k
         if num_lane_rows == q.shape[0]:
-            return self.fastgen.attend(layer_idx, self.request_ids, q, k, v, self.token_ids)
+            return self.fastgen.attend(layer_idx, self.request_ids, q, lane_keys, v, self.token_ids)
         out = torch.empty_like(q)
         paged = slice(num_lane_rows, None)
         out[paged] = self.paged.attend(layer_idx, q[paged], k[paged], v[paged], k_pre_rope[paged])
         for prompt in self.profiled:
-            keys = self.pool.read_tokens(layer_idx, prompt.block_ids, prompt.context_len)[0]  # [kv_heads, n, D]
+            keys = self.fastgen.store.prompt_keys(layer_idx, prompt.request_id, prompt.block_ids, prompt.context_len)
             start = num_lane_rows + prompt.first_row
             q_rows = q[start : start + prompt.num_rows]
             self.fastgen.observe(prompt.request_id, layer_idx, q_rows, keys.transpose(0, 1))
         if num_lane_rows:
             lanes = slice(0, num_lane_rows)
-            out[lanes] = self.fastgen.attend(layer_idx, self.request_ids, q[lanes], k[lanes], v[lanes],
+            out[lanes] = self.fastgen.attend(layer_idx, self.request_ids, q[lanes], lane_keys[lanes], v[lanes],
                                              self.token_ids)
         return out

@@ -72,7 +72,7 @@ class ModelRunner:
         self.scale = checkpoint.config.head_dim**-0.5
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
-        self.fastgen: FastGenKv | None = None  # set by the engine when it runs FastGen (a raw pool only)
+        self.fastgen: FastGenKv | None = None  # set by the engine when it runs FastGen
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
@@ -90,18 +90,18 @@ class ModelRunner:
             chunks = lane_chunks + paged_chunks
         input_ids, positions, slots = self._flatten(chunks, block_tables)
         ctx: PagedAttention | CodecAttention | FastGenAttention
+        paged = chunks[len(lane_chunks) :]
         if isinstance(self.pool, CodecKvPool):
             for seq in plan.preempted:
                 self.pool.release(seq.request_id)
-            layout = CodecStepLayout.build(plan.chunks, block_tables, self.pool, self.device)
+            layout = CodecStepLayout.build(paged, block_tables, self.pool, self.device)
             ctx = CodecAttention(self.pool, layout, self.scale, self.model.rotary, after_layer, before_layer,
                                  self.fused_decode, self.backend)
         else:
-            paged = chunks[len(lane_chunks) :]
             meta = self._metadata(paged, block_tables, slots)
             ctx = PagedAttention(self.pool, meta, self.scale, self.backend, after_layer, before_layer)
-            if self.fastgen is not None:
-                ctx = FastGenAttention(ctx, self.fastgen, lane_chunks, paged, block_tables, self.pool)
+        if self.fastgen is not None:
+            ctx = FastGenAttention(ctx, self.fastgen, lane_chunks, paged, block_tables)
         with torch.inference_mode():
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
             rows, seqs = self._sample_rows(chunks)

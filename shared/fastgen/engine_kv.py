@@ -23,10 +23,11 @@ import torch
 from shared.blocks import BlockManager, OutOfBlocks
 from shared.fastgen.attention import causal_row_probs
 from shared.fastgen.kept import kept_entries
+from shared.fastgen.lane_store import LaneStore
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings, TokenClasses
 from shared.fastgen.profile import profile_layer
-from shared.fastgen.sparse_kv import SparseKv, attend_lanes, evict_lanes
+from shared.fastgen.sparse_kv import SparseKv, append_lanes, attend_lanes, evict_lanes
 from shared.fastgen.wire import PromptProfile
 
 if TYPE_CHECKING:
@@ -52,23 +53,24 @@ class FastGenKv:
         settings: T, r_l, r_f and the rows profiled (None: `DEFAULT_PROFILE_ROWS`).
         classes: the vocabulary's special and punctuation tokens.
         block_manager: lanes are cut from its blocks.
-        pool: the engine's KV pool tensor, [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+        store: how the engine's pool holds lane entries (`lane_store`).
+        num_layers, num_kv_heads: the model's.
         scale: the attention scale.
     """
 
     def __init__(
-        self, settings: FastGenSettings, classes: TokenClasses, block_manager: BlockManager, pool: torch.Tensor,
-        scale: float,
+        self, settings: FastGenSettings, classes: TokenClasses, block_manager: BlockManager, store: LaneStore,
+        num_layers: int, num_kv_heads: int, scale: float,
     ) -> None:
-        self.settings, self.classes, self.pool, self.scale = settings, classes, pool, scale
-        self.num_layers, _, self.num_kv_heads, _, self.block_size, self.head_dim = pool.shape
-        self.lanes = LaneSlots(block_manager, self.num_layers, self.num_kv_heads)
+        self.settings, self.classes, self.store, self.scale = settings, classes, store, scale
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.lanes = LaneSlots(block_manager, store.slots_per_block)
         self.sequences: dict[str, SparseKv] = {}
         self.pending: dict[str, _Pending] = {}
         self.declined: set[str] = set()  # profiled but no room for lanes: they stay in blocks
         self.moves_to_lanes = True  # off on a prefill instance: it hands the profiles to decode instead
         self.profiles: dict[str, PromptProfile] = {}  # profiled, waiting for `take_profile`
-        self.entry_bytes = 2 * self.head_dim * pool.element_size()  # K and V of one token of one KV head
+        self.entry_bytes = store.entry_bytes  # K and V of one token of one KV head, as the pool holds them
 
     @property
     def profile_rows(self) -> int:
@@ -103,7 +105,7 @@ class FastGenKv:
         pool has no room for the lanes. The caller frees the blocks after True."""
         pending = self.pending.pop(request_id)
         policies = torch.stack(pending.policies)  # [num_layers, num_kv_heads]
-        sparse = SparseKv(self.lanes, self.pool, policies, self.settings, num_tokens + self.block_size)
+        sparse = SparseKv(self.lanes, self.store, policies, self.settings, num_tokens + self.store.slot_entries)
         sparse.length = num_tokens
         everything = torch.ones(self.num_kv_heads, num_tokens, dtype=torch.bool)
         positions = torch.arange(num_tokens).expand(self.num_kv_heads, -1)
@@ -113,14 +115,14 @@ class FastGenKv:
             for layer_policies, scores in zip(pending.policies, pending.scores, strict=True)
         ]
         try:
-            sparse.reserve(torch.stack([keep.sum(dim=1) for keep in kept]).to(self.pool.device))
+            sparse.reserve(torch.stack([keep.sum(dim=1) for keep in kept]).to(self.store.device))
         except OutOfBlocks:
             self.declined.add(request_id)
             return False
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.pool.device)
         for layer, (keep, scores) in enumerate(zip(kept, pending.scores, strict=True)):
-            kv = self.pool[layer].index_select(2, index).flatten(2, 3)[:, :, :num_tokens]  # [2, heads, n, D]
+            kv = self.store.read_prompt(layer, request_id, block_ids, num_tokens)  # [2, kv_heads, n, D]
             sparse.append_kept(layer, kv, keep, scores, pending.classes)
+        self.store.forget(request_id)
         self.sequences[request_id] = sparse
         return True
 
@@ -174,12 +176,10 @@ class FastGenKv:
         """
         special, punct = self.classes.of(torch.tensor(token_ids))
         sequences = [self.sequences[request_id] for request_id in request_ids]
-        for row, sparse in enumerate(sequences):
-            if layer == 0:
+        if layer == 0:
+            for sparse in sequences:
                 sparse.length += 1
-            position = torch.tensor([sparse.length - 1])
-            sparse.append(layer, k[row : row + 1], v[row : row + 1], position, special[row : row + 1],
-                          punct[row : row + 1])
+        append_lanes(sequences, layer, k, v, special, punct)
         out = attend_lanes(sequences, layer, q, self.scale)
         evict_lanes(sequences, layer)
         return out

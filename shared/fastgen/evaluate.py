@@ -1,6 +1,7 @@
 """What `tsukimi eval fastgen` measures: teacher-forced continuations with the full KV cache and with FastGen in the
 same run (perplexity, KL, top-1 agreement, the share of KV kept, the policies chosen), and StreamingLLM and H2O at
-FastGen's memory, on windows of a text's evaluation span.
+FastGen's memory, on windows of a text's evaluation span; with a lane codec, the full cache and FastGen once more with
+every entry coded as the lanes hold it.
 
 Owns the windows' schedule and the figures; the attention is `attention`'s, the policies `profile`'s and `kept`'s.
 """
@@ -16,7 +17,9 @@ from typing import Any
 import torch
 
 from shared.fastgen.attention import DecodeAttention, PrefillAttention
+from shared.fastgen.codec_variants import CodedVariants, LaneRoundTrip, entry_figures
 from shared.fastgen.kept import FastGenRule, HeavyHitterRule, KeepAll, KeptRule, SinkWindowRule
+from shared.fastgen.lane_codec import LaneCodec
 from shared.fastgen.policies import FastGenSettings, TokenClasses
 from shared.fastgen.profile import LayerProfile, policy_counts, profile_layer
 from shared.kvcompress.agreement import Agreement
@@ -64,6 +67,7 @@ class _Run:
     full: _Totals = field(default_factory=_Totals)
     fastgen: _Totals = field(default_factory=_Totals)
     baselines: dict[str, _Totals] = field(default_factory=lambda: {name: _Totals() for name in BASELINES})
+    coded: dict[str, _Totals] = field(default_factory=lambda: {"full": _Totals(), "fastgen": _Totals()})
     policies: Counter[str] = field(default_factory=Counter)
     layer_kept: torch.Tensor | None = None  # FastGen's kept fraction per layer, summed over windows
     prefill_s: float = 0.0
@@ -72,12 +76,13 @@ class _Run:
 
 def evaluate_fastgen(
     checkpoint: Checkpoint, tokens: Sequence[int], settings: FastGenSettings, spec: WindowSpec,
-    progress: Progress | None = None, classes: TokenClasses | None = None,
+    progress: Progress | None = None, classes: TokenClasses | None = None, *, codec: LaneCodec | None = None,
 ) -> dict[str, Any]:
     """Run the model (fp32, CPU) over windows of the text's evaluation span: per window one prompt pass (full
     attention, FastGen's profile), then the continuation decoded token by token with the full cache and FastGen side
     by side, then with StreamingLLM and H2O, each holding per layer FastGen's kept fraction of that window and layer
-    (averaged over its steps), the same for every head.
+    (averaged over its steps), the same for every head. With `codec`, the first decode also runs the full cache and
+    FastGen with every entry (but position 0's) stored as `codec`'s records (`codec_variants`).
 
     Args:
         checkpoint: the model.
@@ -87,12 +92,16 @@ def evaluate_fastgen(
         spec: the windows.
         progress: called with (window, number of windows) before each window.
         classes: the token classes (default: from the checkpoint's tokenizer).
+        codec: the lane codec of the coded variants (default: none, no coded variants).
     Returns:
         ppl, ppl_full, rel_ppl_increase (ppl / ppl_full - 1), kl (KL(full || fastgen), mean nats per prediction),
         top1_agreement, kv_kept_fraction (kept (token, KV head, layer) entries over all, each decode step's share
         averaged over the steps of every window; a step's entries are those it attends to, its own included),
         policy_histogram ((window, layer, KV head) triples per policy), baselines (name -> ppl, rel_ppl_increase,
-        kv_kept_fraction, top1_agreement, kl), layer_kv_kept_fraction, prefill_s, profile_s, and the settings.
+        kv_kept_fraction, top1_agreement, kl), layer_kv_kept_fraction, prefill_s, profile_s, and the settings;
+        with a codec, codec: name, entry_bytes, fp16_entry_bytes, full and fastgen (the same five figures as a
+        baseline's, against the uncoded full cache) and kv_bytes_fraction (coded FastGen's kept fraction x
+        entry_bytes / fp16_entry_bytes).
     Raises:
         ValueError: lengths out of range (a window past the model's positions, profiled rows past the prompt).
         TextSpanError: the evaluation span holds less than one window.
@@ -103,14 +112,16 @@ def evaluate_fastgen(
         classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, config.vocab_size)
     spans = windows(evaluation_span(list(tokens)), spec.window_len, spec.num_windows)
     model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
+    coded = None if codec is None else CodedVariants(LaneRoundTrip(codec, model.rotary), (2, 3))
     run = _Run()
     with torch.inference_mode():
         for index, window in enumerate(spans):
             if progress is not None:
                 progress(index + 1, len(spans))
-            _run_window(model, torch.tensor(window), classes, settings, spec, run)
+            _run_window(model, torch.tensor(window), classes, settings, spec, run, coded)
     assert run.layer_kept is not None
     figures = run.fastgen.figures(run.full.ppl)
+    codec_figures = {} if codec is None else {"codec": _codec_figures(codec, run)}
     return {
         **figures, "ppl_full": run.full.ppl,
         "policy_histogram": dict(run.policies),
@@ -120,8 +131,15 @@ def evaluate_fastgen(
         "profile_rows": min(settings.profile_rows or spec.prompt_len, spec.prompt_len),
         "prompt_len": spec.prompt_len, "gen_len": spec.gen_len, "num_windows": len(spans),
         "num_predictions": run.full.num_predictions,
-        "prefill_s": round(run.prefill_s, 2), "profile_s": round(run.profile_s, 2),
+        "prefill_s": round(run.prefill_s, 2), "profile_s": round(run.profile_s, 2), **codec_figures,
     }
+
+
+def _codec_figures(codec: LaneCodec, run: _Run) -> dict[str, Any]:
+    entry = entry_figures(codec)
+    coded = {name: totals.figures(run.full.ppl) for name, totals in run.coded.items()}
+    bytes_fraction = coded["fastgen"]["kv_kept_fraction"] * codec.entry_bytes / int(entry["fp16_entry_bytes"])
+    return {**entry, **coded, "kv_bytes_fraction": bytes_fraction}
 
 
 def _check(spec: WindowSpec, settings: FastGenSettings, max_position: int) -> None:
@@ -136,9 +154,11 @@ def _check(spec: WindowSpec, settings: FastGenSettings, max_position: int) -> No
 
 
 def _run_window(
-    model: Llama, ids: torch.Tensor, classes: TokenClasses, settings: FastGenSettings, spec: WindowSpec, run: _Run
+    model: Llama, ids: torch.Tensor, classes: TokenClasses, settings: FastGenSettings, spec: WindowSpec, run: _Run,
+    coded: CodedVariants | None,
 ) -> None:
-    """One window: the prompt pass and profile, full and FastGen, then the baselines at FastGen's memory."""
+    """One window: the prompt pass and profile, full and FastGen (and both coded, variants 2 and 3, with `coded`),
+    then the baselines at FastGen's memory."""
     token_classes = classes.of(ids)
     prompt_classes = (token_classes[0][: spec.prompt_len], token_classes[1][: spec.prompt_len])
     num_kv_heads = model.config.num_kv_heads
@@ -157,12 +177,13 @@ def _run_window(
 
     fastgen_rules = [FastGenRule(profile.policies, token_classes, settings) for profile in profiles]
     full_rules = [KeepAll() for _ in profiles]
-    log_probs, kept = _decode(model, ids, spec, DecodeAttention(prefill, scores, [full_rules, fastgen_rules], len(ids)))
+    rules: list[Sequence[KeptRule]] = [full_rules, fastgen_rules] * (1 if coded is None else 2)
+    log_probs, kept = _decode(model, ids, spec, DecodeAttention(prefill, scores, rules, len(ids), coded))
     targets = ids[spec.prompt_len + 1 :]
-    run.full.add(log_probs[0], log_probs[0], targets)
-    run.fastgen.add(log_probs[1], log_probs[0], targets)
-    run.full.kept_fraction_sum += float(kept[0].mean(dim=1).sum())
-    run.fastgen.kept_fraction_sum += float(kept[1].mean(dim=1).sum())
+    methods = [run.full, run.fastgen] + ([] if coded is None else list(run.coded.values()))
+    for variant, method in enumerate(methods):
+        method.add(log_probs[variant], log_probs[0], targets)
+        method.kept_fraction_sum += float(kept[variant].mean(dim=1).sum())
     layer_kept = kept[1].mean(dim=0)  # [layers], FastGen's, averaged over the steps
     run.layer_kept = layer_kept if run.layer_kept is None else run.layer_kept + layer_kept
 

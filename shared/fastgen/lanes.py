@@ -1,13 +1,14 @@
 """Lane slots: FastGen's storage inside the paged KV pool, where each KV head of each layer keeps its own tokens.
 
-A pool block holds `block_size` tokens of every layer and KV head. Cut per (layer, KV head) it is `num_layers x
-num_kv_heads` lane slots, each `block_size` token entries of one head's K and V. A FastGen sequence keeps, per layer
-and KV head (a lane), only the tokens its policy keeps, packed into lane slots of its own; any free slot serves any
-lane (the attention reads a lane's entries by slot, wherever they lie), so a head that keeps 10% of the tokens holds
-10% of the slots. Blocks come whole from the block manager (`take_raw`) and go back whole once none of their slots
-is used: that is how FastGen's eviction becomes free blocks the scheduler can admit new requests into.
+A pool block is cut into `slots_per_block` lane slots, each a run of token entries (one head's K and V of one token);
+how a block is cut, and where a slot lies, is the pool's `lane_store`'s (a raw pool: one slot per layer and KV head,
+block_size entries each). A FastGen sequence keeps, per layer and KV head (a lane), only the tokens its policy keeps,
+packed into lane slots of its own; any free slot serves any lane (the attention reads a lane's entries by slot,
+wherever they lie), so a head that keeps 10% of the tokens holds 10% of the slots. Blocks come whole from the block
+manager (`take_raw`) and go back whole once none of their slots is used: that is how FastGen's eviction becomes free
+blocks the scheduler can admit new requests into.
 
-Owns the slot <-> (block, layer, head) numbering and which slots are free; no tensors (`sparse_kv` moves the data).
+Owns the slot numbering (slot s lies in block s // slots_per_block) and which slots are free; no tensors.
 """
 
 from __future__ import annotations
@@ -18,17 +19,14 @@ from shared.blocks import BlockManager, OutOfBlocks
 class LaneSlots:
     """Hands out lane slots, taking blocks from the block manager as needed and returning them when empty.
 
-    Slot s lies in block s // slots_per_block, at layer and KV head divmod(s % slots_per_block, num_kv_heads).
-
     Args:
         block_manager: whose blocks the slots are cut from.
-        num_layers, num_kv_heads: the pool's, so a block holds num_layers x num_kv_heads slots.
+        slots_per_block: lane slots one block holds.
     """
 
-    def __init__(self, block_manager: BlockManager, num_layers: int, num_kv_heads: int) -> None:
+    def __init__(self, block_manager: BlockManager, slots_per_block: int) -> None:
         self.block_manager = block_manager
-        self.num_kv_heads = num_kv_heads
-        self.slots_per_block = num_layers * num_kv_heads
+        self.slots_per_block = slots_per_block
         self._free: list[int] = []  # free slots of held blocks
         self._used: dict[int, int] = {}  # held block -> slots in use
 
@@ -39,12 +37,6 @@ class LaneSlots:
     @property
     def num_slots_used(self) -> int:
         return sum(self._used.values())
-
-    def locate(self, slot: int) -> tuple[int, int, int]:
-        """(block, layer, KV head) of a slot."""
-        block, lane = divmod(slot, self.slots_per_block)
-        layer, head = divmod(lane, self.num_kv_heads)
-        return block, layer, head
 
     def take(self, count: int) -> list[int]:
         """`count` free slots: the held blocks' free ones first (the last freed first), then new blocks'.

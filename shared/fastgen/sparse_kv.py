@@ -1,11 +1,13 @@
 """One FastGen sequence's KV in lane slots: per layer and KV head (a lane), the entries of the tokens its policy
 keeps, a decode step's attention over them, and the eviction after each step.
 
-K and V of an entry lie in the pool, in the lane slots `lanes.LaneSlots` hands out; the entry's position, token
-class and accumulated attention lie here. Entry e of a lane lives in the lane's slot e // block_size, row
-e % block_size. Entries are in no particular order (attention does not care): an evicted entry's place is taken by
-one of the lane's last entries, so a step moves only as many entries as it evicts, and a lane's trailing slots go
-back once empty. What a policy keeps is `kept.kept_entries`.
+K and V of an entry lie in the pool, in the lane slots `lanes.LaneSlots` hands out, in the form the pool's
+`lane_store` keeps them (raw rows, or kvquant records); the entry's position, token class and accumulated attention
+lie here. Entry e of a lane lives in the lane's slot e // slot_entries, at index e % slot_entries. Entries are in no
+particular order (attention does not care): an evicted entry's place is taken by one of the lane's last entries, so
+a step moves only as many entries as it evicts, and a lane's trailing slots go back once empty. Over a lossy store
+the sequence's first token (the attention sink) is also kept whole here, and replaces its decoded entry. What a
+policy keeps is `kept.kept_entries`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.fastgen.kept import kept_entries
+from shared.fastgen.lane_store import LaneStore
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings
 
@@ -23,18 +26,18 @@ class SparseKv:
 
     Args:
         lanes: the slot allocator (over the engine's block manager).
-        pool: the KV pool tensor, [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim].
+        store: where and how the pool holds entries.
         policies: long [num_layers, num_kv_heads], each lane's `Policy`.
         settings: r_l and r_f.
         capacity: entries per lane to make room for at first (grown as needed).
     """
 
     def __init__(
-        self, lanes: LaneSlots, pool: torch.Tensor, policies: torch.Tensor, settings: FastGenSettings, capacity: int
+        self, lanes: LaneSlots, store: LaneStore, policies: torch.Tensor, settings: FastGenSettings, capacity: int
     ) -> None:
-        num_layers, _, num_kv_heads, self.num_blocks, self.block_size, self.head_dim = pool.shape
-        self.lanes, self.settings, self.device = lanes, settings, pool.device
-        self.rows = pool.view(-1, self.head_dim)
+        num_layers, num_kv_heads = policies.shape
+        self.lanes, self.store, self.settings, self.device = lanes, store, settings, store.device
+        self.slot_entries = store.slot_entries
         self.policies = policies.to(self.device)
         self.length = 0  # tokens of the sequence so far (kept or not)
         shape = (num_layers, num_kv_heads, max(capacity, 1))
@@ -44,9 +47,11 @@ class SparseKv:
         self.punct = torch.zeros(shape, dtype=torch.bool, device=self.device)
         self.counts = torch.zeros(num_layers, num_kv_heads, dtype=torch.long, device=self.device)
         self.slot_table = torch.zeros(num_layers, num_kv_heads, 1, dtype=torch.long, device=self.device)
-        self.row_bases = torch.zeros_like(self.slot_table)  # each slot's first K row in `rows`
-        self.v_offset = num_kv_heads * self.num_blocks * self.block_size  # V's rows follow K's by this many
+        self.slot_bases = torch.zeros_like(self.slot_table)  # each slot's first entry's address in the store
         self.num_slots = [[0] * num_kv_heads for _ in range(num_layers)]
+        # over a lossy store: K and V of position 0 per lane, whole (K after RoPE is K before it at position 0)
+        self.sink = torch.zeros(num_layers, num_kv_heads, 2, store.head_dim, dtype=store.dtype, device=self.device) \
+            if store.lossy else None
 
     @property
     def num_entries(self) -> int:
@@ -66,7 +71,7 @@ class SparseKv:
         missing = []
         for layer, row in enumerate(wanted):
             for head, count in enumerate(row):
-                needed = -(-count // self.block_size) - self.num_slots[layer][head]
+                needed = -(-count // self.slot_entries) - self.num_slots[layer][head]
                 missing.extend([(layer, head)] * max(0, needed))
         return missing
 
@@ -81,7 +86,7 @@ class SparseKv:
         self._grow(max(int((self.counts + num_new).max()), 1))
         for (layer, head), slot in zip(missing, slots, strict=True):
             self.slot_table[layer, head, self.num_slots[layer][head]] = slot
-            self.row_bases[layer, head, self.num_slots[layer][head]] = self._row_base(slot)
+            self.slot_bases[layer, head, self.num_slots[layer][head]] = self.store.slot_base(slot)
             self.num_slots[layer][head] += 1
 
     def release(self) -> None:
@@ -99,25 +104,19 @@ class SparseKv:
             for name in ("positions", "scores", "special", "punct"):
                 old = getattr(self, name)
                 setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra)], dim=-1))
-        slots = -(-entries // self.block_size)
+        slots = -(-entries // self.slot_entries)
         if slots > self.slot_table.shape[-1]:
             extra = 2 * slots - self.slot_table.shape[-1]
-            for name in ("slot_table", "row_bases"):
+            for name in ("slot_table", "slot_bases"):
                 old = getattr(self, name)
                 setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra)], dim=-1))
 
     # ---- entries ----------------------------------------------------------------------------------------------
 
-    def _flat_rows(self, layer: int, entries: torch.Tensor) -> torch.Tensor:
-        """Rows of `self.rows` holding the K of entries [kv_heads, E] (entry indices per head) of a layer's lanes;
-        their V is `v_offset` rows further."""
-        bases = self.row_bases[layer].gather(1, torch.div(entries, self.block_size, rounding_mode="floor"))
-        return bases + entries % self.block_size
-
-    def _row_base(self, slot: int) -> int:
-        """The row of K of a slot's first entry."""
-        block, layer, head = self.lanes.locate(slot)
-        return ((layer * 2 * self.lanes.num_kv_heads + head) * self.num_blocks + block) * self.block_size
+    def addresses(self, layer: int, entries: torch.Tensor) -> torch.Tensor:
+        """Store addresses of entries [kv_heads, E] (entry indices per head) of a layer's lanes."""
+        bases = self.slot_bases[layer].gather(1, torch.div(entries, self.slot_entries, rounding_mode="floor"))
+        return bases + entries % self.slot_entries * self.store.entry_stride
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, special: torch.Tensor,
@@ -126,19 +125,25 @@ class SparseKv:
         """Add tokens to every lane of a layer (room reserved beforehand).
 
         Args:
-            k, v: [n, num_kv_heads, head_dim]; positions, special, punct: [n], per token.
+            k, v: [n, num_kv_heads, head_dim], keys as the store takes them; positions, special, punct: [n].
         """
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
-        num_kv_heads, num_new = k.shape[:2]
+        addresses = self.note(layer, positions, special, punct)
+        heads = torch.arange(k.shape[0], device=self.device)[:, None].expand(addresses.shape)
+        self.store.write(layer, heads.flatten(), addresses.flatten(), k.flatten(0, 1), v.flatten(0, 1))
+        self.keep_sink(layer, positions, k, v)
+
+    def note(self, layer: int, positions: torch.Tensor, special: torch.Tensor, punct: torch.Tensor) -> torch.Tensor:
+        """Enter n new tokens' metadata in every lane of a layer (room reserved beforehand); returns the addresses
+        their K/V go to, long [num_kv_heads, n] (the caller writes them)."""
+        num_kv_heads, num_new = self.counts.shape[1], positions.numel()
         entries = self.counts[layer][:, None] + torch.arange(num_new, device=self.device)  # [kv_heads, n]
-        rows = self._flat_rows(layer, entries)
-        self.rows[rows] = k.to(self.rows.dtype)
-        self.rows[rows + self.v_offset] = v.to(self.rows.dtype)
         for name, values in (("positions", positions), ("special", special), ("punct", punct)):
             target = getattr(self, name)[layer]
             target.scatter_(1, entries, values.to(self.device).expand(num_kv_heads, num_new))
         self.scores[layer].scatter_(1, entries, torch.zeros_like(entries, dtype=torch.float32))
         self.counts[layer] += num_new
+        return self.addresses(layer, entries)
 
     def append_kept(
         self, layer: int, kv: torch.Tensor, keep: torch.Tensor, scores: torch.Tensor,
@@ -147,33 +152,38 @@ class SparseKv:
         """Add a prompt's kept tokens to a layer's lanes (room reserved beforehand), each head its own.
 
         Args:
-            kv: [2, num_kv_heads, n, head_dim], K and V of every prompt token; keep: bool [num_kv_heads, n];
-            scores: [num_kv_heads, n], the profile's accumulated attention; classes: (special, punct), bool [n].
+            kv: [2, num_kv_heads, n, head_dim], K (as the store takes them) and V of every prompt token;
+            keep: bool [num_kv_heads, n]; scores: [num_kv_heads, n], the profile's accumulated attention;
+            classes: (special, punct), bool [n].
         """
+        self.keep_sink(layer, torch.arange(min(1, kv.shape[2])), kv[0], kv[1])
         for head in range(keep.shape[0]):
             kept = keep[head].nonzero().flatten().to(self.device)
             entries = self.counts[layer, head] + torch.arange(kept.numel(), device=self.device)
-            rows = self.row_bases[layer, head, entries // self.block_size] + entries % self.block_size
-            self.rows[rows] = kv[0, head, kept].to(self.rows.dtype)
-            self.rows[rows + self.v_offset] = kv[1, head, kept].to(self.rows.dtype)
+            addresses = self.addresses(layer, entries[None].expand(keep.shape[0], -1))[head]
+            self.store.write(layer, torch.full_like(kept, head), addresses, kv[0, head, kept], kv[1, head, kept])
             self.positions[layer, head, entries] = kept
             self.scores[layer, head, entries] = scores[head].to(self.device, torch.float32)[kept]
             self.special[layer, head, entries] = classes[0].to(self.device)[kept]
             self.punct[layer, head, entries] = classes[1].to(self.device)[kept]
             self.counts[layer, head] += kept.numel()
 
+    def keep_sink(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Over a lossy store, keep position 0's K and V (k, v: [kv_heads, n, head_dim]) whole."""
+        if self.sink is not None and positions.numel() and int(positions[0]) == 0:
+            self.sink[layer, :, 0], self.sink[layer, :, 1] = k[:, 0], v[:, 0]
+
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """`attend_lanes` for this sequence alone. q: [num_heads, head_dim]."""
         return attend_lanes([self], layer, q[None], scale)[0]
 
-    def entry_rows(self, layer: int, num_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of K and of V of a layer's first `num_entries` entries per lane, long [num_kv_heads, num_entries]
-        each; entries past a lane's count repeat a held one (the caller masks them)."""
+    def entry_addresses(self, layer: int, num_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Addresses and positions of a layer's first `num_entries` entries per lane, long [num_kv_heads,
+        num_entries] each; entries past a lane's count repeat a held one (the caller masks them)."""
         counts = self.counts[layer]
         entries = torch.arange(num_entries, device=self.device).expand(counts.shape[0], num_entries)
         entries = torch.minimum(entries, (counts - 1).clamp(min=0)[:, None])
-        rows = self._flat_rows(layer, entries)
-        return rows, rows + self.v_offset
+        return self.addresses(layer, entries), self.positions[layer].gather(1, entries)
 
     def evict(self, layer: int) -> None:
         """`evict_lanes` for this sequence alone."""
@@ -188,9 +198,8 @@ class SparseKv:
         holes = (~keep & (entries < kept[:, None])).nonzero(as_tuple=True)  # row-major: paired head by head
         movers = (keep & (entries >= kept[:, None])).nonzero(as_tuple=True)
         if holes[0].numel():
-            rows = self._flat_rows(layer, entries)
-            for offset in (0, self.v_offset):
-                self.rows[rows[holes] + offset] = self.rows[rows[movers] + offset]
+            addresses = self.addresses(layer, entries)
+            self.store.move(addresses[movers], addresses[holes])
             for name in ("positions", "scores", "special", "punct"):
                 target = getattr(self, name)[layer]
                 target[holes] = target[movers]
@@ -200,13 +209,34 @@ class SparseKv:
     def _trim(self, layer: int, kept: list[int]) -> None:
         freed = []
         for head, count in enumerate(kept):
-            needed = -(-count // self.block_size)
+            needed = -(-count // self.slot_entries)
             held = self.num_slots[layer][head]
             if held > needed:
                 freed.extend(self.slot_table[layer, head, needed:held].tolist())
                 self.num_slots[layer][head] = needed
         if freed:
             self.lanes.give_back(freed)
+
+
+def append_lanes(
+    sequences: list[SparseKv], layer: int, k: torch.Tensor, v: torch.Tensor, special: torch.Tensor,
+    punct: torch.Tensor,
+) -> None:
+    """One token per sequence, at position `length - 1`, into every lane of a layer (room reserved beforehand), in
+    one store write.
+
+    Args:
+        k, v: [len(sequences), num_kv_heads, head_dim], keys as the store takes them; special, punct: bool [S].
+    """
+    store = sequences[0].store
+    num_seqs, num_kv_heads, head_dim = k.shape
+    addresses = []
+    for row, sparse in enumerate(sequences):
+        position = torch.tensor([sparse.length - 1])
+        addresses.append(sparse.note(layer, position, special[row : row + 1], punct[row : row + 1]))
+        sparse.keep_sink(layer, position, k[row, :, None], v[row, :, None])
+    heads = torch.arange(num_kv_heads, device=k.device).repeat(num_seqs)
+    store.write(layer, heads, torch.cat(addresses).flatten(), k.reshape(-1, head_dim), v.reshape(-1, head_dim))
 
 
 def attend_lanes(sequences: list[SparseKv], layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -219,15 +249,23 @@ def attend_lanes(sequences: list[SparseKv], layer: int, q: torch.Tensor, scale: 
     Returns:
         [len(sequences), num_heads, head_dim].
     """
-    first = sequences[0]
+    store = sequences[0].store
     num_seqs, num_heads, head_dim = q.shape
     counts = torch.stack([sparse.counts[layer] for sparse in sequences])  # [S, kv_heads]
     num_kv_heads, num_entries = counts.shape[1], int(counts.max())
-    rows = [sparse.entry_rows(layer, num_entries) for sparse in sequences]
-    k_rows = torch.stack([k for k, _ in rows]).flatten()
-    v_rows = torch.stack([v for _, v in rows]).flatten()
-    keys = first.rows.index_select(0, k_rows).view(num_seqs * num_kv_heads, num_entries, head_dim)
-    values = first.rows.index_select(0, v_rows).view(num_seqs * num_kv_heads, num_entries, head_dim)
+    found = [sparse.entry_addresses(layer, num_entries) for sparse in sequences]
+    addresses = torch.stack([a for a, _ in found])  # [S, kv_heads, E]
+    positions = torch.stack([p for _, p in found])
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None].expand_as(addresses)
+    keys, values = (x.view(num_seqs, num_kv_heads, num_entries, head_dim) for x in store.read(
+        layer, heads.flatten(), addresses.flatten(), positions.flatten()))
+    if store.lossy:  # the sink, whole
+        sinks = torch.stack([sparse.sink[layer] for sparse in sequences if sparse.sink is not None])
+        is_sink = (positions == 0)[..., None]
+        keys = torch.where(is_sink, sinks[:, :, None, 0], keys)
+        values = torch.where(is_sink, sinks[:, :, None, 1], values)
+    keys = keys.reshape(num_seqs * num_kv_heads, num_entries, head_dim)
+    values = values.reshape(num_seqs * num_kv_heads, num_entries, head_dim)
     queries = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scale)  # [S * kv_heads, group, E]
     padding = torch.arange(num_entries, device=q.device) >= counts.reshape(-1, 1)  # [S * kv_heads, E]

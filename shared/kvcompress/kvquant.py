@@ -173,8 +173,8 @@ class KvQuantCodec(KvCodec):
         k32, v32 = k.float(), v.float()
         device = k.device
         norm = normalize_blocks(k32, v32, self.key_center, self.key_scale, n, starts_sequence)
-        k_codes = _nearest(norm.k_norm, self.key_codebook.to(device))
-        v_codes = _nearest(norm.v_norm, self.value_codebook.to(device))
+        k_codes = nearest_code(norm.k_norm, self.key_codebook.to(device))
+        v_codes = nearest_code(norm.v_norm, self.value_codebook.to(device))
         v_center, v_scale = norm.v_center, norm.v_scale
         v_dense = self.value_codebook.to(device)[v_codes.long()] * v_scale.float()[:, None, :, None] \
             + v_center.float()[:, None, :, None]
@@ -306,7 +306,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(tensor.shape[0], -1).view(torch.uint8)
 
 
-def _nearest(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+def nearest_code(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """uint8 index of the codebook entry nearest to each element (ties to the lower entry)."""
     midpoints = (codebook[1:] + codebook[:-1]) / 2
     return torch.bucketize(x.contiguous(), midpoints).to(torch.uint8)

@@ -1,6 +1,6 @@
 """`tsukimi eval fastgen`: the harness on a tiny random model (T=1.0 is the full cache exactly, a low T keeps less
-and the baselines hold FastGen's memory, only the evaluation span is read), bad input exiting 2, and short
-real-model runs."""
+and the baselines hold FastGen's memory, only the evaluation span is read, the coded variants), bad input exiting 2,
+and short real-model runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
+from shared.fastgen.lane_codec import LaneCodec
 from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
+from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.text_spans import TextSpanError
 from shared.model.config import LlamaConfig
 from tests.cli.tiny_model import tiny_checkpoint
@@ -32,9 +34,21 @@ def text_tokens(count: int, seed: int = 1) -> list[int]:
     return torch.randint(0, TINY.vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def tiny_run(threshold: float, tokens: list[int] | None = None, spec: WindowSpec = SPEC) -> dict[str, Any]:
+def tiny_run(
+    threshold: float, tokens: list[int] | None = None, spec: WindowSpec = SPEC, codec: LaneCodec | None = None
+) -> dict[str, Any]:
     tokens = text_tokens(200) if tokens is None else tokens
-    return evaluate_fastgen(tiny_checkpoint(TINY), tokens, FastGenSettings(threshold), spec, classes=TINY_CLASSES)
+    return evaluate_fastgen(
+        tiny_checkpoint(TINY), tokens, FastGenSettings(threshold), spec, classes=TINY_CLASSES, codec=codec
+    )
+
+
+def tiny_lane_codec(bits: int) -> LaneCodec:
+    """Lane records for TINY: every key channel calibrated to [-1, 1], linear codebooks."""
+    codebook = torch.linspace(-1, 1, 1 << bits)
+    shape = (TINY.num_kv_heads, TINY.head_dim)
+    return LaneCodec([KvQuantCodec(bits, torch.zeros(shape), torch.ones(shape), codebook, codebook.clone(), 0.0625)
+                      for _ in range(TINY.num_layers)])
 
 
 # ---- the harness ---------------------------------------------------------------------------------------------------
@@ -76,6 +90,35 @@ def test_only_the_evaluation_span_is_read() -> None:
     assert tiny_run(0.8, tokens[:120] + [7] * 80)["ppl_full"] != first["ppl_full"]
 
 
+def test_a_codec_adds_the_coded_full_cache_and_fastgen_and_changes_nothing_else() -> None:
+    plain = tiny_run(1.0)
+    assert "codec" not in plain
+    coded = tiny_run(1.0, codec=tiny_lane_codec(2))
+    assert {k: v for k, v in coded.items() if k != "codec" and not k.endswith("_s")} == {
+        k: v for k, v in plain.items() if not k.endswith("_s")
+    }
+    codec = coded["codec"]
+    # 2 fp16 value range + 1 fp16 outlier each + 16 2-bit codes each (4 bytes) + 1 outlier channel each
+    assert codec["name"] == "kvquant-2" and codec["entry_bytes"] == 4 + 2 * 2 + 2 * 4 + 2
+    assert codec["fp16_entry_bytes"] == 2 * 2 * TINY.head_dim
+    assert FIGURES <= codec["full"].keys() and FIGURES <= codec["fastgen"].keys()
+    # T = 1 keeps everything: coded FastGen is the coded full cache, which quantization alone moved off the full one.
+    assert codec["fastgen"] == codec["full"] and codec["full"]["kv_kept_fraction"] == 1
+    assert codec["full"]["kl"] > 0 and codec["full"]["ppl"] != plain["ppl_full"]
+    assert codec["kv_bytes_fraction"] == pytest.approx(codec["entry_bytes"] / codec["fp16_entry_bytes"])
+
+
+def test_more_bits_lose_less_and_coded_fastgen_keeps_what_fastgen_keeps() -> None:
+    results = {bits: tiny_run(0.5, codec=tiny_lane_codec(bits)) for bits in (2, 4)}
+    assert results[4]["codec"]["full"]["kl"] < results[2]["codec"]["full"]["kl"]
+    for result in results.values():
+        codec = result["codec"]
+        # the coded heads rank heavy hitters on their own attention, so the kept share may differ by a key or two
+        kept = codec["fastgen"]["kv_kept_fraction"]
+        assert kept == pytest.approx(result["kv_kept_fraction"], abs=2 / SPEC.prompt_len)
+        assert codec["kv_bytes_fraction"] == pytest.approx(kept * codec["entry_bytes"] / codec["fp16_entry_bytes"])
+
+
 def test_windows_are_capped_by_the_span_and_bad_lengths_raise() -> None:
     assert tiny_run(0.9, spec=WindowSpec(24, 8, 9))["num_windows"] == 4  # 140 tokens, 33 per window
     with pytest.raises(TextSpanError):
@@ -109,6 +152,8 @@ def tsukimi(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
         (["eval", "fastgen", "--text", "x.txt", "--gen-len", "0"], "positive"),
         (["eval", "fastgen", "--text", "x.txt", "--profile-rows", "600"], "exceeds --prompt-len 512"),
         (["eval", "fastgen", "--text", "x.txt", "--threads", "-1"], "threads"),
+        (["eval", "fastgen", "--text", "x.txt", "--kv-codec", "kivi-4"], "invalid choice"),
+        (["eval", "fastgen", "--text", "x.txt", "--kv-calib", "c.safetensors"], "--kv-calib needs --kv-codec"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args: list[str], message: str) -> None:
@@ -121,6 +166,7 @@ def test_help_explains_eval_fastgen() -> None:
     result = tsukimi("eval", "fastgen", "--help")
     assert result.returncode == 0 and "usage:" in result.stdout
     assert "--threshold" in result.stdout and "--profile-rows" in result.stdout and "H2O" in result.stdout
+    assert "--kv-codec {kvquant-2,kvquant-3,kvquant-4}" in result.stdout and "--kv-calib" in result.stdout
     assert "fastgen" in tsukimi("eval", "--help").stdout
 
 
@@ -174,3 +220,14 @@ def test_threshold_one_equals_the_full_cache_on_the_real_model(text_file: Path) 
     assert report["policy_histogram"] == {"full": 30 * 3}
     assert report["kv_kept_fraction"] == 1 and report["top1_agreement"] == 1
     assert report["rel_ppl_increase"] == 0 and report["kl"] == 0 and report["ppl"] == report["ppl_full"]
+
+
+@pytest.mark.slow
+def test_a_kv_codec_on_the_real_model(text_file: Path) -> None:
+    report = real_run(text_file, "--threshold", "0.9", "--kv-codec", "kvquant-4")
+    codec = report["codec"]
+    assert codec["name"] == "kvquant-4" and codec["entry_bytes"] == 74 and codec["fp16_entry_bytes"] == 256
+    assert codec["full"]["kv_kept_fraction"] == 1 and codec["full"]["kl"] > 0
+    assert codec["fastgen"]["kv_kept_fraction"] == pytest.approx(report["kv_kept_fraction"], abs=0.002)
+    assert codec["kv_bytes_fraction"] == pytest.approx(codec["fastgen"]["kv_kept_fraction"] * 74 / 256)
+    assert report["kl"] > 0 and FIGURES <= codec["fastgen"].keys()

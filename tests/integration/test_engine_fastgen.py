@@ -1,6 +1,7 @@
 """The engine with FastGen, on the real model: at T = 1 it answers exactly as the full cache does; below 1 its decode
 is the quality harness's FastGen token for token (lanes against masks), it holds fewer blocks than the full cache and
-gives them all back; under a pool too small for everyone it preempts and still completes; a codec is refused."""
+gives them all back; under a pool too small for everyone it preempts and still completes; a codec without lane records
+is refused (kvquant: `test_engine_fastgen_codec`)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,6 @@ def test_a_pool_too_small_for_everyone_preempts_and_completes(make_engine) -> No
     fastgen.block_manager.check_invariants()
 
 
-def test_fastgen_over_a_codec_is_refused(make_engine) -> None:
-    with pytest.raises(ValueError, match="FastGen does not run over a KV codec"):
-        make_engine(kv_policy="fastgen", kv_codec="kvquant-4")
+def test_fastgen_over_a_codec_without_lane_records_is_refused(make_engine) -> None:
+    with pytest.raises(ValueError, match="raw pool or a kvquant codec, not kivi-4"):
+        make_engine(kv_policy="fastgen", kv_codec="kivi-4")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shared.blocks import BlockManager, OutOfBlocks
+from shared.fastgen.lane_store import RawLaneStore
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings, Policy
 from shared.fastgen.sparse_kv import SparseKv
@@ -36,12 +37,12 @@ def test_raw_blocks_count_as_used_until_given_back() -> None:
 
 def test_slots_are_cut_from_whole_blocks_and_blocks_go_back_empty() -> None:
     manager = BlockManager(num_blocks=3, block_size=4)
-    lanes = LaneSlots(manager, LAYERS, HEADS)  # 6 slots per block
+    lanes = LaneSlots(manager, LAYERS * HEADS)  # 6 slots per block, as a raw pool is cut
     first = lanes.take(4)
     assert lanes.num_blocks_held == 1 and manager.num_free_blocks == 2
     second = lanes.take(5)  # 2 left in the first block, 3 from a new one
     assert lanes.num_blocks_held == 2 and len(set(first + second)) == 9
-    assert {lanes.locate(s) for s in first + second} == {(s // 6, s % 6 // HEADS, s % HEADS) for s in first + second}
+    assert {s // 6 for s in first + second} == {0, 1}
     with pytest.raises(OutOfBlocks):
         lanes.take(10)  # 3 free slots and 1 free block hold 9
     assert lanes.num_slots_used == 9 and manager.num_free_blocks == 1  # nothing changed
@@ -54,9 +55,10 @@ def test_slots_are_cut_from_whole_blocks_and_blocks_go_back_empty() -> None:
 
 def _sparse(policy: Policy, manager: BlockManager | None = None) -> tuple[SparseKv, torch.Tensor]:
     pool = torch.zeros(LAYERS, 2, HEADS, BLOCKS, BLOCK_SIZE, DIM)
-    lanes = LaneSlots(manager or BlockManager(BLOCKS, BLOCK_SIZE), LAYERS, HEADS)
+    store = RawLaneStore(pool)
+    lanes = LaneSlots(manager or BlockManager(BLOCKS, BLOCK_SIZE), store.slots_per_block)
     policies = torch.full((LAYERS, HEADS), int(policy))
-    return SparseKv(lanes, pool, policies, FastGenSettings(r_local=0.3, r_frequent=0.3), capacity=2), pool
+    return SparseKv(lanes, store, policies, FastGenSettings(r_local=0.3, r_frequent=0.3), capacity=2), pool
 
 
 def _step(sparse: SparseKv, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,7 +107,7 @@ def test_a_local_lane_keeps_the_newest_tokens_with_their_kv_and_gives_slots_back
     assert sparse.counts[0].tolist() == [window] * HEADS
     assert sorted(sparse.positions[0, 0, :count].tolist()) == list(range(20 - window, 20))
     entries = torch.arange(count).expand(HEADS, count)
-    stored = sparse.rows[sparse._flat_rows(0, entries)]  # [heads, count, dim], in entry order
+    stored = sparse.store.rows[sparse.addresses(0, entries)]  # [heads, count, dim], in entry order
     for head in range(HEADS):
         for entry in range(count):
             position = int(sparse.positions[0, head, entry])

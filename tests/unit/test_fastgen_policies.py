@@ -243,7 +243,8 @@ def test_the_settings_read_fastgen_from_the_environment() -> None:
         load_settings("decode", {**env, "TSUKIMI_FASTGEN_T": "1.5"})
     with pytest.raises(ConfigError, match="unknown KV policy"):
         load_settings("decode", {"TSUKIMI_KV_POLICY": "h2o"})
-    with pytest.raises(ConfigError, match="does not run over a KV codec"):
-        load_settings("decode", {**env, "TSUKIMI_KV_CODEC": "kvquant-4"})
+    assert load_settings("decode", {**env, "TSUKIMI_KV_CODEC": "kvquant-4"}).engine.kv_codec == "kvquant-4"
+    with pytest.raises(ConfigError, match="raw pool or a kvquant codec, not kivi-4"):
+        load_settings("decode", {**env, "TSUKIMI_KV_CODEC": "kivi-4"})
     with pytest.raises(ConfigError, match="applies to the real engine"):
         load_settings("decode", {**env, "TSUKIMI_ENGINE": "sim"})
