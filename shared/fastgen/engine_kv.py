@@ -119,10 +119,15 @@ class FastGenKv:
         except OutOfBlocks:
             self.declined.add(request_id)
             return False
+        sparse.ring = self.store.open_ring(request_id)
+        recent = torch.arange(max(0, num_tokens - self.store.window), num_tokens, device=self.store.device)
+        rings = torch.full_like(recent, sparse.ring or 0)
         for layer, (keep, scores) in enumerate(zip(kept, pending.scores, strict=True)):
             kv = self.store.read_prompt(layer, request_id, block_ids, num_tokens)  # [2, kv_heads, n, D]
             sparse.append_kept(layer, kv, keep, scores, pending.classes)
-        self.store.forget(request_id)
+            if self.store.window:  # the prompt's newest tokens whole, as the pool held them
+                self.store.write_ring(layer, rings, recent, kv[0, :, recent].transpose(0, 1),
+                                      kv[1, :, recent].transpose(0, 1))
         self.sequences[request_id] = sparse
         return True
 

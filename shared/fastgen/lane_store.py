@@ -11,7 +11,10 @@ keeps which entry is where and reads, writes and moves entries through a store; 
 - `CodedLaneStore`: each layer's byte row of a block of a `CodecKvPool` holding kvquant blocks is cut into slots of
   entry records (about block_size entries each; SmolLM2 at 4 bits: 3 slots of 60 records of 74 bytes in a 13,420-byte
   row, 99% of it used; the blocks' sink rows stay unused). An address is a byte offset into the pool's bytes. Keys are
-  stored before RoPE and rotated after decoding.
+  stored before RoPE and rotated after decoding. As the codec pool keeps a sequence's partial last block whole, the
+  lanes keep its newest `window` (= block_size) positions whole: a ring in the sequence's full-precision tail of the
+  pool, at index position % block_size, which every step overwrites with its own token; an entry that recent reads
+  the ring instead of its record (most of the lane codec's loss is in the newest tokens: README, FastGen).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from shared.engine.codec_pool import CodecKvPool
 from shared.fastgen.lane_codec import LaneCodec
+from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
 
@@ -38,6 +42,7 @@ class LaneStore(Protocol):
     dtype: torch.dtype  # what `read` returns
     device: torch.device
     head_dim: int
+    window: int  # the newest positions `read` takes from a sequence's ring (0: no ring)
 
     def slot_base(self, slot: int) -> int:
         """The address of a slot's first entry."""
@@ -48,9 +53,11 @@ class LaneStore(Protocol):
         ...
 
     def read(
-        self, layer: int, heads: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor
+        self, layer: int, heads: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor,
+        recent: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (after RoPE, at `positions`) and V, [E, D] each, of E entries of one layer."""
+        """K (after RoPE, at `positions`) and V, [E, D] each, of E entries of one layer; `recent` = (each entry's
+        ring, long [E]; bool [E], which entries read it instead of the record)."""
         ...
 
     def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
@@ -65,8 +72,15 @@ class LaneStore(Protocol):
         """A prompt's keys after RoPE, [kv_heads, num_tokens, head_dim] (what profiling reads)."""
         ...
 
-    def forget(self, seq_id: Hashable) -> None:
-        """The sequence left the paged pool for lanes: drop what the pool kept for it besides its blocks."""
+    def open_ring(self, seq_id: Hashable) -> int | None:
+        """The ring of a sequence moving to lanes (its tail in the paged pool, kept), or None without rings."""
+        ...
+
+    def write_ring(
+        self, layer: int, rings: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Put N tokens whole in their rings: rings, positions long [N]; k (as `write` takes them), v: [N, kv_heads,
+        D]."""
         ...
 
 
@@ -79,6 +93,7 @@ class RawLaneStore:
 
     keys_before_rope = False
     lossy = False
+    window = 0
 
     def __init__(self, pool: torch.Tensor) -> None:
         self.pool = pool
@@ -100,7 +115,8 @@ class RawLaneStore:
         self.rows[addresses + self.v_offset] = v.to(self.rows.dtype)
 
     def read(
-        self, layer: int, heads: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor
+        self, layer: int, heads: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor,
+        recent: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.index_select(0, addresses), self.rows.index_select(0, addresses + self.v_offset)
 
@@ -115,7 +131,12 @@ class RawLaneStore:
     def prompt_keys(self, layer: int, seq_id: Hashable, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         return self.read_prompt(layer, seq_id, block_ids, num_tokens)[0]
 
-    def forget(self, seq_id: Hashable) -> None:
+    def open_ring(self, seq_id: Hashable) -> int | None:
+        return None
+
+    def write_ring(
+        self, layer: int, rings: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         pass
 
 
@@ -135,7 +156,10 @@ class CodedLaneStore:
     def __init__(self, pool: CodecKvPool, rotary: RotaryEmbedding) -> None:
         self.pool, self.rotary, self.dtype, self.device = pool, rotary, pool.dtype, pool.packed.device
         self.head_dim = pool.head_dim
-        self.codec = LaneCodec(pool.codecs).to(pool.packed.device)  # type: ignore[arg-type]
+        codecs = [codec for codec in pool.codecs if isinstance(codec, KvQuantCodec)]
+        if len(codecs) != len(pool.codecs):
+            raise ValueError(f"FastGen's lanes hold kvquant records; this pool's codec is {pool.codecs[0].name}")
+        self.codec = LaneCodec(codecs).to(pool.packed.device)
         self.entry_bytes = self.entry_stride = self.codec.entry_bytes
         row_entries = pool.block_bytes // self.entry_bytes
         if row_entries < 1:
@@ -143,6 +167,7 @@ class CodedLaneStore:
         self.slots_per_row = max(1, round(row_entries / pool.block_size))
         self.slot_entries = row_entries // self.slots_per_row
         self.slots_per_block = pool.packed.shape[0] * self.slots_per_row
+        self.window = pool.block_size
         self.bytes = pool.packed.view(-1)
         self._offsets = torch.arange(self.entry_bytes, device=pool.packed.device)
 
@@ -156,9 +181,15 @@ class CodedLaneStore:
         self.bytes[self._bytes_of(addresses)] = self.codec.encode(layer, heads, k, v)
 
     def read(
-        self, layer: int, heads: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor
+        self, layer: int, heads: torch.Tensor, addresses: torch.Tensor, positions: torch.Tensor,
+        recent: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.codec.decode(layer, heads, self.bytes[self._bytes_of(addresses)])
+        if recent is not None and bool(recent[1].any()):
+            picked = recent[1].nonzero().flatten()
+            where = (recent[0][picked], heads[picked], positions[picked] % self.window)
+            k[picked] = self.pool.tails[layer, 0][where].float()
+            v[picked] = self.pool.tails[layer, 1][where].float()
         cos, sin = self.rotary.cos_sin(positions.to(self.rotary.cos.device), torch.float32)
         k = apply_rotary(k[:, None], cos.to(k.device), sin.to(k.device))[:, 0]
         return k.to(self.dtype), v.to(self.dtype)
@@ -181,8 +212,15 @@ class CodedLaneStore:
         cos, sin = self.rotary.cos_sin(torch.arange(num_tokens, device=self.rotary.cos.device), keys.dtype)
         return apply_rotary(keys, cos.to(keys.device), sin.to(keys.device)).transpose(0, 1)
 
-    def forget(self, seq_id: Hashable) -> None:
-        self.pool.release(seq_id)
+    def open_ring(self, seq_id: Hashable) -> int | None:
+        return self.pool.tail(seq_id)
+
+    def write_ring(
+        self, layer: int, rings: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        index = positions % self.window
+        self.pool.tails[layer, 0, rings, :, index] = k.to(self.dtype)
+        self.pool.tails[layer, 1, rings, :, index] = v.to(self.dtype)
 
     def _bytes_of(self, addresses: torch.Tensor) -> torch.Tensor:
         """long [E, entry_bytes]: every byte of each entry."""

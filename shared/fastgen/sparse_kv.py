@@ -49,6 +49,7 @@ class SparseKv:
         self.slot_table = torch.zeros(num_layers, num_kv_heads, 1, dtype=torch.long, device=self.device)
         self.slot_bases = torch.zeros_like(self.slot_table)  # each slot's first entry's address in the store
         self.num_slots = [[0] * num_kv_heads for _ in range(num_layers)]
+        self.ring: int | None = None  # the store's ring of this sequence's newest positions (`lane_store`), if any
         # over a lossy store: K and V of position 0 per lane, whole (K after RoPE is K before it at position 0)
         self.sink = torch.zeros(num_layers, num_kv_heads, 2, store.head_dim, dtype=store.dtype, device=self.device) \
             if store.lossy else None
@@ -237,6 +238,10 @@ def append_lanes(
         sparse.keep_sink(layer, position, k[row, :, None], v[row, :, None])
     heads = torch.arange(num_kv_heads, device=k.device).repeat(num_seqs)
     store.write(layer, heads, torch.cat(addresses).flatten(), k.reshape(-1, head_dim), v.reshape(-1, head_dim))
+    if store.window:
+        rings = torch.tensor([sparse.ring for sparse in sequences], device=k.device)
+        positions = torch.tensor([sparse.length - 1 for sparse in sequences], device=k.device)
+        store.write_ring(layer, rings, positions, k, v)
 
 
 def attend_lanes(sequences: list[SparseKv], layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -257,8 +262,14 @@ def attend_lanes(sequences: list[SparseKv], layer: int, q: torch.Tensor, scale: 
     addresses = torch.stack([a for a, _ in found])  # [S, kv_heads, E]
     positions = torch.stack([p for _, p in found])
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None].expand_as(addresses)
+    recent = None
+    if store.window:  # entries among the newest `window` positions read their sequence's ring
+        lengths = torch.tensor([sparse.length for sparse in sequences], device=q.device)
+        rings = torch.tensor([sparse.ring for sparse in sequences], device=q.device)
+        recent = (rings[:, None, None].expand_as(addresses).flatten(),
+                  (positions >= (lengths - store.window)[:, None, None]).flatten())
     keys, values = (x.view(num_seqs, num_kv_heads, num_entries, head_dim) for x in store.read(
-        layer, heads.flatten(), addresses.flatten(), positions.flatten()))
+        layer, heads.flatten(), addresses.flatten(), positions.flatten(), recent))
     if store.lossy:  # the sink, whole
         sinks = torch.stack([sparse.sink[layer] for sparse in sequences if sparse.sink is not None])
         is_sink = (positions == 0)[..., None]

@@ -44,16 +44,24 @@ def _complete(system: System, prompt: str, max_tokens: int) -> dict:
     return answer
 
 
-def test_a_long_prompt_decodes_as_one_fastgen_engine(system: System, make_engine) -> None:
-    prompt = _text(2500)  # about 550 tokens: prefilled on a prefill instance, its KV and profile sent to decode
+def assert_a_long_prompt_decodes_as_one_engine(
+    system: System, make_engine, token_bytes: int, **engine_settings: object
+) -> None:
+    """A ~550-token prompt (prefilled on a prefill instance, its KV and profile sent to decode) answers as one FastGen
+    engine with `engine_settings`, and the usage reports saving 10-100% of `token_bytes` per token held."""
+    prompt = _text(2500)
     answer = _complete(system, prompt, 16)
-    engine: LLMEngine = make_engine(kv_policy="fastgen", fastgen=SETTINGS, block_size=64)
+    engine: LLMEngine = make_engine(kv_policy="fastgen", fastgen=SETTINGS, block_size=64, **engine_settings)
     expected = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(max_tokens=16, temperature=0.0))
     assert answer["choices"][0]["text"] == expected[0].text
     usage = answer["usage"]
     assert usage["prompt_tokens"] > 400 and usage["prompt_tokens_details"]["cached_tokens"] == 0
-    full_bytes = (usage["prompt_tokens"] + usage["completion_tokens"] - 1) * FP32_TOKEN_BYTES
+    full_bytes = (usage["prompt_tokens"] + usage["completion_tokens"] - 1) * token_bytes
     assert 0.1 * full_bytes < usage["kv_bytes_saved"] < full_bytes
+
+
+def test_a_long_prompt_decodes_as_one_fastgen_engine(system: System, make_engine) -> None:
+    assert_a_long_prompt_decodes_as_one_engine(system, make_engine, FP32_TOKEN_BYTES)
 
 
 def test_a_short_prompt_prefilled_on_decode_evicts_too(system: System) -> None:

@@ -9,10 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling import SamplingParams
 from tests.integration.system_fixture import System, start_system, stop_system
-from tests.integration.test_system_fastgen import SETTINGS, _complete, _text
+from tests.integration.test_system_fastgen import SETTINGS, assert_a_long_prompt_decodes_as_one_engine
 
 pytestmark = pytest.mark.slow
 CODEC = "kvquant-4"
@@ -31,12 +29,4 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
 
 
 def test_a_long_prompt_decodes_as_one_fastgen_kvquant_engine(system: System, make_engine) -> None:
-    prompt = _text(2500)  # about 550 tokens: prefilled on a prefill instance, its blocks and profile sent to decode
-    answer = _complete(system, prompt, 16)
-    engine: LLMEngine = make_engine(kv_policy="fastgen", kv_codec=CODEC, fastgen=SETTINGS, block_size=64)
-    expected = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(max_tokens=16, temperature=0.0))
-    assert answer["choices"][0]["text"] == expected[0].text
-    usage = answer["usage"]
-    assert usage["prompt_tokens"] > 400 and usage["prompt_tokens_details"]["cached_tokens"] == 0
-    full_bytes = (usage["prompt_tokens"] + usage["completion_tokens"] - 1) * RECORD_TOKEN_BYTES
-    assert 0.1 * full_bytes < usage["kv_bytes_saved"] < full_bytes
+    assert_a_long_prompt_decodes_as_one_engine(system, make_engine, RECORD_TOKEN_BYTES, kv_codec=CODEC)
