@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shared.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
-from shared.fastgen.codec_variants import LANE_CODECS, build_lane_codec
+from shared.fastgen.codec_variants import DEFAULT_BLOCK_SIZE, LANE_CODECS, build_kv_serving
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import FastGenSettings, Policy
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
@@ -36,8 +36,12 @@ def register(kinds: argparse._SubParsersAction) -> None:
         "entries over all, averaged over the steps) and the policies chosen; and the same figures for "
         "StreamingLLM (4 sinks plus the newest) and H2O (half heavy hitters, half newest) given FastGen's kept "
         f"fraction per window and layer, spread evenly over heads. With --kv-codec, the same figures (against the "
-        "uncoded full cache) for the full cache and FastGen with every K/V entry but the first token's stored as "
-        "the lanes' KVQuant records (keys coded before RoPE), the record size and FastGen's KV bytes over fp16's. "
+        "uncoded full cache) for the full cache and FastGen as the engine serves them over the codec in "
+        "--kv-block-size blocks: the full cache reads every block before the step's own decoded (as `tsukimi eval "
+        "kv`); FastGen reads kvquant records (one an entry, keys coded before RoPE, written from the pool's "
+        "values: the prompt's full blocks are coded twice) but for the newest W positions, kept whole in a ring; "
+        "the first token is kept whole (fp16) in both. Also the record size and coded FastGen's KV bytes over the full "
+        "cache's fp16 bytes (its records plus the ring, counted as fp16). "
         f"Only the text after its first {CALIBRATION_FRACTION:.0%} is read, as for `tsukimi eval kv`.",
     )
     parser.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
@@ -62,7 +66,12 @@ def register(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--kv-codec", default=None, choices=LANE_CODECS,
-        help="also decode the full cache and FastGen with every entry coded by this codec (default: none)",
+        help="also decode the full cache and FastGen as the engine serves them over this codec (default: none)",
+    )
+    parser.add_argument(
+        "--kv-block-size", type=positive_int, default=None, metavar="W",
+        help=f"tokens per KV block with --kv-codec, and FastGen's exact ring of the newest tokens (default: "
+        f"{DEFAULT_BLOCK_SIZE}, the engine's)",
     )
     parser.add_argument(
         "--kv-calib", default=None, metavar="PATH",
@@ -79,8 +88,9 @@ def _settings(args: argparse.Namespace) -> tuple[FastGenSettings, WindowSpec]:
         raise CliError(str(exc)) from None
     if args.profile_rows is not None and args.profile_rows > args.prompt_len:
         raise CliError(f"--profile-rows {args.profile_rows} exceeds --prompt-len {args.prompt_len}")
-    if args.kv_calib is not None and args.kv_codec is None:
-        raise CliError("--kv-calib needs --kv-codec")
+    for option, value in (("--kv-calib", args.kv_calib), ("--kv-block-size", args.kv_block_size)):
+        if value is not None and args.kv_codec is None:
+            raise CliError(f"{option} needs --kv-codec")
     return settings, WindowSpec(args.prompt_len, args.gen_len, args.windows)
 
 
@@ -92,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     log("loading the model...")
     try:
         checkpoint = load_checkpoint(args.model)
-        codec = None if args.kv_codec is None else build_lane_codec(args.kv_codec, checkpoint.config, args.kv_calib)
+        codec = None if args.kv_codec is None else build_kv_serving(
+            args.kv_codec, checkpoint.config, args.kv_calib, args.kv_block_size or DEFAULT_BLOCK_SIZE
+        )
         tokens = read_tokens(args.text, checkpoint.tokenizer)
         result = evaluate_fastgen(
             checkpoint, tokens, settings, spec, progress=lambda index, count: log(f"window {index}/{count}"),
@@ -127,5 +139,6 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"policies (layer x KV head x window): {histogram}")
     if "codec" in result:
         codec = result["codec"]
-        print(f"{codec['name']}: {codec['entry_bytes']} bytes an entry against {codec['fp16_entry_bytes']} in fp16; "
-              f"FastGen over it holds {100 * codec['kv_bytes_fraction']:.2f}% of the full cache's fp16 bytes")
+        print(f"{codec['name']} in {codec['block_size']}-token blocks; FastGen's lanes: {codec['entry_bytes']} bytes "
+              f"an entry against {codec['fp16_entry_bytes']} in fp16, plus the newest {codec['block_size']} whole: "
+              f"{100 * codec['kv_bytes_fraction']:.2f}% of the full cache's fp16 bytes")

@@ -77,10 +77,13 @@ class FastGenAttention:
         paged = slice(num_lane_rows, None)
         out[paged] = self.paged.attend(layer_idx, q[paged], k[paged], v[paged], k_pre_rope[paged])
         for prompt in self.profiled:
+            # the keys the chunk attended to: the pool's before it, its own as computed (a codec pool stores them
+            # coded, but the chunk attends to itself in full precision)
             keys = self.fastgen.store.prompt_keys(layer_idx, prompt.request_id, prompt.block_ids, prompt.context_len)
-            start = num_lane_rows + prompt.first_row
-            q_rows = q[start : start + prompt.num_rows]
-            self.fastgen.observe(prompt.request_id, layer_idx, q_rows, keys.transpose(0, 1))
+            keys = keys.transpose(0, 1)  # [n, kv_heads, D]
+            rows = slice(num_lane_rows + prompt.first_row, num_lane_rows + prompt.first_row + prompt.num_rows)
+            keys[prompt.context_len - prompt.num_rows :] = k[rows]
+            self.fastgen.observe(prompt.request_id, layer_idx, q[rows], keys)
         if num_lane_rows:
             lanes = slice(0, num_lane_rows)
             out[lanes] = self.fastgen.attend(layer_idx, self.request_ids, q[lanes], lane_keys[lanes], v[lanes],

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from shared.fastgen.codec_variants import CodedVariants
+from shared.fastgen.codec_variants import ServedKv
 from shared.fastgen.kept import KeptRule
 
 
@@ -77,14 +77,14 @@ class DecodeAttention:
     Each step a variant's KV head sees the keys its rule kept after the step before, plus the step's own key; every
     key it sees accumulates the step's attention (summed over the head's query heads, on top of the prompt's
     `scores`); then the rule picks what stays. `rules[b][layer]` is variant b's rule for a layer. The `coded`
-    variants store every entry, the prompt's and each step's, as it comes back from lane records.
+    variants' K/V are rewritten each step to what the engine would serve over a codec (`ServedKv`).
 
     Args:
         prefill: the prompt's pass (its K/V per layer).
         scores: per layer, float64 [num_kv_heads, n], the prompt's accumulated attention.
         rules: per variant, per layer.
         max_len: tokens the sequence will reach.
-        coded: the variants whose K/V go through a lane codec (default: none).
+        coded: the variants whose K/V go through a codec, each a fresh `ServedKv` (default: none).
     Attributes:
         length: tokens so far (the prompt, then one more per `start_step`).
         visible_counts: long [variants, layers, num_kv_heads], keys each head saw in the last step.
@@ -92,7 +92,7 @@ class DecodeAttention:
 
     def __init__(
         self, prefill: PrefillAttention, scores: Sequence[torch.Tensor], rules: Sequence[Sequence[KeptRule]],
-        max_len: int, coded: CodedVariants | None = None,
+        max_len: int, coded: Sequence[ServedKv] = (),
     ) -> None:
         num_variants, (num_tokens, num_kv_heads, head_dim) = len(rules), prefill.keys[0].shape
         self.rules, self.length = rules, num_tokens
@@ -108,14 +108,11 @@ class DecodeAttention:
                 kept = rules[variant][layer].keep(everything, layer_scores, num_tokens)
                 self.kept[layer][variant, :, :num_tokens] = kept
         self.visible_counts = torch.zeros(num_variants, len(prefill.keys), num_kv_heads, dtype=torch.long)
-        self.coded = coded
-        if coded is not None:
-            positions = torch.arange(num_tokens)
-            for layer, (k_pre_rope, v) in enumerate(zip(prefill.keys_pre_rope, prefill.values, strict=True)):
-                k_coded, v_coded = coded.round_trip(layer, k_pre_rope, v, positions)
-                for variant in coded.indices:
-                    self.k_cache[layer][variant, :, :num_tokens] = k_coded.transpose(0, 1)
-                    self.v_cache[layer][variant, :, :num_tokens] = v_coded.transpose(0, 1)
+        self.coded = list(coded)
+        for served in self.coded:
+            for layer, k_pre_rope in enumerate(prefill.keys_pre_rope):
+                b = served.variant
+                served.begin(layer, self.k_cache[layer][b], self.v_cache[layer][b], k_pre_rope)
 
     @staticmethod
     def _cache(prompt: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -138,12 +135,9 @@ class DecodeAttention:
         num_kv_heads = k.shape[1]
         k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
         k_cache[:, :, position], v_cache[:, :, position] = k, v
-        if self.coded is not None:
-            coded = list(self.coded.indices)
-            k_coded, v_coded = self.coded.round_trip(
-                layer_idx, k_pre_rope[coded], v[coded], torch.full((len(coded),), position)
-            )
-            k_cache[coded, :, position], v_cache[coded, :, position] = k_coded, v_coded
+        for served in self.coded:
+            b = served.variant
+            served.step(layer_idx, k_cache[b], v_cache[b], k_pre_rope[b], length)
         visible = self.kept[layer_idx][:, :, :length].clone()  # [B, kv_heads, length]
         visible[:, :, position] = True
         self.visible_counts[:, layer_idx] = visible.sum(dim=-1)

@@ -1,7 +1,7 @@
 """What `tsukimi eval fastgen` measures: teacher-forced continuations with the full KV cache and with FastGen in the
 same run (perplexity, KL, top-1 agreement, the share of KV kept, the policies chosen), and StreamingLLM and H2O at
-FastGen's memory, on windows of a text's evaluation span; with a lane codec, the full cache and FastGen once more with
-every entry coded as the lanes hold it.
+FastGen's memory, on windows of a text's evaluation span; with a kvquant codec, the full cache and FastGen once more
+with their K/V as the engine serves them over it (`codec_variants`).
 
 Owns the windows' schedule and the figures; the attention is `attention`'s, the policies `profile`'s and `kept`'s.
 """
@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from shared.fastgen.attention import DecodeAttention, PrefillAttention
-from shared.fastgen.codec_variants import CodedVariants, LaneRoundTrip, entry_figures
+from shared.fastgen.codec_variants import KvServing, ServedKv
 from shared.fastgen.kept import FastGenRule, HeavyHitterRule, KeepAll, KeptRule, SinkWindowRule
-from shared.fastgen.lane_codec import LaneCodec
 from shared.fastgen.policies import FastGenSettings, TokenClasses
 from shared.fastgen.profile import LayerProfile, policy_counts, profile_layer
 from shared.kvcompress.agreement import Agreement
@@ -76,13 +75,14 @@ class _Run:
 
 def evaluate_fastgen(
     checkpoint: Checkpoint, tokens: Sequence[int], settings: FastGenSettings, spec: WindowSpec,
-    progress: Progress | None = None, classes: TokenClasses | None = None, *, codec: LaneCodec | None = None,
+    progress: Progress | None = None, classes: TokenClasses | None = None, *, codec: KvServing | None = None,
 ) -> dict[str, Any]:
     """Run the model (fp32, CPU) over windows of the text's evaluation span: per window one prompt pass (full
     attention, FastGen's profile), then the continuation decoded token by token with the full cache and FastGen side
     by side, then with StreamingLLM and H2O, each holding per layer FastGen's kept fraction of that window and layer
-    (averaged over its steps), the same for every head. With `codec`, the first decode also runs the full cache and
-    FastGen with every entry (but position 0's) stored as `codec`'s records (`codec_variants`).
+    (averaged over its steps), the same for every head. With `codec`, the first decode also runs the full cache as
+    the engine's kvquant blocks and FastGen as its lanes of kvquant records beside a ring of the newest W tokens
+    (`codec_variants.ServedKv`).
 
     Args:
         checkpoint: the model.
@@ -92,16 +92,17 @@ def evaluate_fastgen(
         spec: the windows.
         progress: called with (window, number of windows) before each window.
         classes: the token classes (default: from the checkpoint's tokenizer).
-        codec: the lane codec of the coded variants (default: none, no coded variants).
+        codec: the coded variants' codecs and block size W (default: none, no coded variants).
     Returns:
         ppl, ppl_full, rel_ppl_increase (ppl / ppl_full - 1), kl (KL(full || fastgen), mean nats per prediction),
         top1_agreement, kv_kept_fraction (kept (token, KV head, layer) entries over all, each decode step's share
         averaged over the steps of every window; a step's entries are those it attends to, its own included),
         policy_histogram ((window, layer, KV head) triples per policy), baselines (name -> ppl, rel_ppl_increase,
         kv_kept_fraction, top1_agreement, kl), layer_kv_kept_fraction, prefill_s, profile_s, and the settings;
-        with a codec, codec: name, entry_bytes, fp16_entry_bytes, full and fastgen (the same five figures as a
-        baseline's, against the uncoded full cache) and kv_bytes_fraction (coded FastGen's kept fraction x
-        entry_bytes / fp16_entry_bytes).
+        with a codec, codec: name, entry_bytes (a lane record's), fp16_entry_bytes, block_size (W), full and
+        fastgen (the same five figures as a baseline's, against the uncoded full cache) and kv_bytes_fraction
+        (coded FastGen's bytes over the full cache's in fp16: its kept fraction x entry_bytes / fp16_entry_bytes,
+        plus the ring, W of each step's L tokens in every lane, counted as fp16, averaged over the steps).
     Raises:
         ValueError: lengths out of range (a window past the model's positions, profiled rows past the prompt).
         TextSpanError: the evaluation span holds less than one window.
@@ -112,16 +113,15 @@ def evaluate_fastgen(
         classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, config.vocab_size)
     spans = windows(evaluation_span(list(tokens)), spec.window_len, spec.num_windows)
     model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
-    coded = None if codec is None else CodedVariants(LaneRoundTrip(codec, model.rotary), (2, 3))
     run = _Run()
     with torch.inference_mode():
         for index, window in enumerate(spans):
             if progress is not None:
                 progress(index + 1, len(spans))
-            _run_window(model, torch.tensor(window), classes, settings, spec, run, coded)
+            _run_window(model, torch.tensor(window), classes, settings, spec, run, codec)
     assert run.layer_kept is not None
     figures = run.fastgen.figures(run.full.ppl)
-    codec_figures = {} if codec is None else {"codec": _codec_figures(codec, run)}
+    codec_figures = {} if codec is None else {"codec": _codec_figures(codec, run, spec)}
     return {
         **figures, "ppl_full": run.full.ppl,
         "policy_histogram": dict(run.policies),
@@ -135,11 +135,13 @@ def evaluate_fastgen(
     }
 
 
-def _codec_figures(codec: LaneCodec, run: _Run) -> dict[str, Any]:
-    entry = entry_figures(codec)
+def _codec_figures(codec: KvServing, run: _Run, spec: WindowSpec) -> dict[str, Any]:
+    entry = codec.figures()
     coded = {name: totals.figures(run.full.ppl) for name, totals in run.coded.items()}
-    bytes_fraction = coded["fastgen"]["kv_kept_fraction"] * codec.entry_bytes / int(entry["fp16_entry_bytes"])
-    return {**entry, **coded, "kv_bytes_fraction": bytes_fraction}
+    records = coded["fastgen"]["kv_kept_fraction"] * codec.lanes.entry_bytes / int(entry["fp16_entry_bytes"])
+    lengths = range(spec.prompt_len + 1, spec.prompt_len + spec.gen_len + 1)  # each step's L, the same every window
+    ring = sum(min(codec.block_size, length) / length for length in lengths) / spec.gen_len
+    return {**entry, **coded, "kv_bytes_fraction": records + ring}
 
 
 def _check(spec: WindowSpec, settings: FastGenSettings, max_position: int) -> None:
@@ -155,9 +157,9 @@ def _check(spec: WindowSpec, settings: FastGenSettings, max_position: int) -> No
 
 def _run_window(
     model: Llama, ids: torch.Tensor, classes: TokenClasses, settings: FastGenSettings, spec: WindowSpec, run: _Run,
-    coded: CodedVariants | None,
+    codec: KvServing | None,
 ) -> None:
-    """One window: the prompt pass and profile, full and FastGen (and both coded, variants 2 and 3, with `coded`),
+    """One window: the prompt pass and profile, full and FastGen (and both served over `codec`, variants 2 and 3),
     then the baselines at FastGen's memory."""
     token_classes = classes.of(ids)
     prompt_classes = (token_classes[0][: spec.prompt_len], token_classes[1][: spec.prompt_len])
@@ -177,10 +179,12 @@ def _run_window(
 
     fastgen_rules = [FastGenRule(profile.policies, token_classes, settings) for profile in profiles]
     full_rules = [KeepAll() for _ in profiles]
-    rules: list[Sequence[KeptRule]] = [full_rules, fastgen_rules] * (1 if coded is None else 2)
+    rules: list[Sequence[KeptRule]] = [full_rules, fastgen_rules] * (1 if codec is None else 2)
+    coded = [] if codec is None else [ServedKv(codec, model.rotary, 2, lanes=False),
+                                      ServedKv(codec, model.rotary, 3, lanes=True)]
     log_probs, kept = _decode(model, ids, spec, DecodeAttention(prefill, scores, rules, len(ids), coded))
     targets = ids[spec.prompt_len + 1 :]
-    methods = [run.full, run.fastgen] + ([] if coded is None else list(run.coded.values()))
+    methods = [run.full, run.fastgen] + ([] if codec is None else [run.coded["full"], run.coded["fastgen"]])
     for variant, method in enumerate(methods):
         method.add(log_probs[variant], log_probs[0], targets)
         method.kept_fraction_sum += float(kept[variant].mean(dim=1).sum())

@@ -1,6 +1,6 @@
 """`tsukimi eval fastgen`: the harness on a tiny random model (T=1.0 is the full cache exactly, a low T keeps less
-and the baselines hold FastGen's memory, only the evaluation span is read, the coded variants), bad input exiting 2,
-and short real-model runs."""
+and the baselines hold FastGen's memory, only the evaluation span is read, the coded variants: exact with a block past
+the window, coded with small blocks), bad input exiting 2, and short real-model runs."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from shared.fastgen.codec_variants import KvServing
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
-from shared.fastgen.lane_codec import LaneCodec
 from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.text_spans import TextSpanError
@@ -35,7 +35,7 @@ def text_tokens(count: int, seed: int = 1) -> list[int]:
 
 
 def tiny_run(
-    threshold: float, tokens: list[int] | None = None, spec: WindowSpec = SPEC, codec: LaneCodec | None = None
+    threshold: float, tokens: list[int] | None = None, spec: WindowSpec = SPEC, codec: KvServing | None = None
 ) -> dict[str, Any]:
     tokens = text_tokens(200) if tokens is None else tokens
     return evaluate_fastgen(
@@ -43,12 +43,12 @@ def tiny_run(
     )
 
 
-def tiny_lane_codec(bits: int) -> LaneCodec:
-    """Lane records for TINY: every key channel calibrated to [-1, 1], linear codebooks."""
+def tiny_serving(bits: int, block_size: int) -> KvServing:
+    """kvquant-b for TINY in blocks of block_size: every key channel calibrated to [-1, 1], linear codebooks."""
     codebook = torch.linspace(-1, 1, 1 << bits)
     shape = (TINY.num_kv_heads, TINY.head_dim)
-    return LaneCodec([KvQuantCodec(bits, torch.zeros(shape), torch.ones(shape), codebook, codebook.clone(), 0.0625)
-                      for _ in range(TINY.num_layers)])
+    return KvServing.of([KvQuantCodec(bits, torch.zeros(shape), torch.ones(shape), codebook, codebook.clone(), 0.0625)
+                         for _ in range(TINY.num_layers)], block_size)
 
 
 # ---- the harness ---------------------------------------------------------------------------------------------------
@@ -90,33 +90,54 @@ def test_only_the_evaluation_span_is_read() -> None:
     assert tiny_run(0.8, tokens[:120] + [7] * 80)["ppl_full"] != first["ppl_full"]
 
 
-def test_a_codec_adds_the_coded_full_cache_and_fastgen_and_changes_nothing_else() -> None:
-    plain = tiny_run(1.0)
+def ring_fraction(block_size: int, spec: WindowSpec = SPEC) -> float:
+    """The newest W of each step's L tokens, averaged over a window's steps."""
+    lengths = range(spec.prompt_len + 1, spec.prompt_len + spec.gen_len + 1)
+    return sum(min(block_size, length) / length for length in lengths) / spec.gen_len
+
+
+def test_a_block_past_the_window_serves_everything_exact_and_changes_nothing() -> None:
+    plain = tiny_run(0.5)
     assert "codec" not in plain
-    coded = tiny_run(1.0, codec=tiny_lane_codec(2))
+    coded = tiny_run(0.5, codec=tiny_serving(2, SPEC.window_len))  # no full block, every position in the ring
     assert {k: v for k, v in coded.items() if k != "codec" and not k.endswith("_s")} == {
         k: v for k, v in plain.items() if not k.endswith("_s")
     }
     codec = coded["codec"]
+    assert codec["full"] == {"ppl": plain["ppl_full"], "rel_ppl_increase": 0.0, "kv_kept_fraction": 1.0,
+                             "top1_agreement": 1.0, "kl": 0.0}
+    assert codec["fastgen"] == {name: plain[name] for name in FIGURES}
     # 2 fp16 value range + 1 fp16 outlier each + 16 2-bit codes each (4 bytes) + 1 outlier channel each
     assert codec["name"] == "kvquant-2" and codec["entry_bytes"] == 4 + 2 * 2 + 2 * 4 + 2
-    assert codec["fp16_entry_bytes"] == 2 * 2 * TINY.head_dim
-    assert FIGURES <= codec["full"].keys() and FIGURES <= codec["fastgen"].keys()
-    # T = 1 keeps everything: coded FastGen is the coded full cache, which quantization alone moved off the full one.
-    assert codec["fastgen"] == codec["full"] and codec["full"]["kv_kept_fraction"] == 1
-    assert codec["full"]["kl"] > 0 and codec["full"]["ppl"] != plain["ppl_full"]
-    assert codec["kv_bytes_fraction"] == pytest.approx(codec["entry_bytes"] / codec["fp16_entry_bytes"])
+    assert codec["fp16_entry_bytes"] == 2 * 2 * TINY.head_dim and codec["block_size"] == SPEC.window_len
+    # the records plus a ring holding the whole sequence
+    assert codec["kv_bytes_fraction"] == pytest.approx(plain["kv_kept_fraction"] * 18 / 64 + 1)
+
+
+def test_small_blocks_code_both_variants_each_its_own_way() -> None:
+    plain = tiny_run(1.0)
+    coded = tiny_run(1.0, codec=tiny_serving(2, 4))
+    assert {k: v for k, v in coded.items() if k != "codec" and not k.endswith("_s")} == {
+        k: v for k, v in plain.items() if not k.endswith("_s")
+    }
+    codec = coded["codec"]
+    # T = 1 keeps everything, yet blocks and lanes (records coded from blocks, beside a ring) serve different K/V
+    assert codec["full"]["kv_kept_fraction"] == codec["fastgen"]["kv_kept_fraction"] == 1
+    assert codec["full"]["kl"] > 0 and codec["fastgen"]["kl"] > 0 and codec["fastgen"] != codec["full"]
+    assert codec["kv_bytes_fraction"] == pytest.approx(18 / 64 + ring_fraction(4))
 
 
 def test_more_bits_lose_less_and_coded_fastgen_keeps_what_fastgen_keeps() -> None:
-    results = {bits: tiny_run(0.5, codec=tiny_lane_codec(bits)) for bits in (2, 4)}
-    assert results[4]["codec"]["full"]["kl"] < results[2]["codec"]["full"]["kl"]
+    results = {bits: tiny_run(0.5, codec=tiny_serving(bits, 4)) for bits in (2, 4)}
+    for name in ("full", "fastgen"):
+        assert results[4]["codec"][name]["kl"] < results[2]["codec"][name]["kl"]
     for result in results.values():
         codec = result["codec"]
         # the coded heads rank heavy hitters on their own attention, so the kept share may differ by a key or two
         kept = codec["fastgen"]["kv_kept_fraction"]
         assert kept == pytest.approx(result["kv_kept_fraction"], abs=2 / SPEC.prompt_len)
-        assert codec["kv_bytes_fraction"] == pytest.approx(kept * codec["entry_bytes"] / codec["fp16_entry_bytes"])
+        records = kept * codec["entry_bytes"] / codec["fp16_entry_bytes"]
+        assert codec["kv_bytes_fraction"] == pytest.approx(records + ring_fraction(4))
 
 
 def test_windows_are_capped_by_the_span_and_bad_lengths_raise() -> None:
@@ -154,6 +175,8 @@ def tsukimi(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
         (["eval", "fastgen", "--text", "x.txt", "--threads", "-1"], "threads"),
         (["eval", "fastgen", "--text", "x.txt", "--kv-codec", "kivi-4"], "invalid choice"),
         (["eval", "fastgen", "--text", "x.txt", "--kv-calib", "c.safetensors"], "--kv-calib needs --kv-codec"),
+        (["eval", "fastgen", "--text", "x.txt", "--kv-block-size", "16"], "--kv-block-size needs --kv-codec"),
+        (["eval", "fastgen", "--text", "x.txt", "--kv-codec", "kvquant-4", "--kv-block-size", "0"], "positive"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args: list[str], message: str) -> None:
@@ -167,6 +190,7 @@ def test_help_explains_eval_fastgen() -> None:
     assert result.returncode == 0 and "usage:" in result.stdout
     assert "--threshold" in result.stdout and "--profile-rows" in result.stdout and "H2O" in result.stdout
     assert "--kv-codec {kvquant-2,kvquant-3,kvquant-4}" in result.stdout and "--kv-calib" in result.stdout
+    assert "--kv-block-size W" in result.stdout
     assert "fastgen" in tsukimi("eval", "--help").stdout
 
 
@@ -227,7 +251,9 @@ def test_a_kv_codec_on_the_real_model(text_file: Path) -> None:
     report = real_run(text_file, "--threshold", "0.9", "--kv-codec", "kvquant-4")
     codec = report["codec"]
     assert codec["name"] == "kvquant-4" and codec["entry_bytes"] == 74 and codec["fp16_entry_bytes"] == 256
+    assert codec["block_size"] == 64  # the prompt is one full block: the full cache reads it coded
     assert codec["full"]["kv_kept_fraction"] == 1 and codec["full"]["kl"] > 0
     assert codec["fastgen"]["kv_kept_fraction"] == pytest.approx(report["kv_kept_fraction"], abs=0.002)
-    assert codec["kv_bytes_fraction"] == pytest.approx(codec["fastgen"]["kv_kept_fraction"] * 74 / 256)
+    ring = ring_fraction(64, WindowSpec(64, 16))
+    assert codec["kv_bytes_fraction"] == pytest.approx(codec["fastgen"]["kv_kept_fraction"] * 74 / 256 + ring)
     assert report["kl"] > 0 and FIGURES <= codec["fastgen"].keys()

@@ -1,15 +1,22 @@
 """FastGen over kvquant-4 in the engine, on the real model: the lanes hold kvquant records (74 bytes an entry against
-512 for fp32 K/V), every decode step holds fewer blocks than the kvquant-4 full cache and all come back; a pool smaller
-than the batch's KV completes every request."""
+512 for fp32 K/V), every decode step holds fewer blocks than the kvquant-4 full cache and all come back; its decode is
+the quality harness's FastGen over kvquant-4 token for token (records, ring and sink against `ServedKv`); a pool
+smaller than the batch's KV completes every request."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling import SamplingParams
+from shared.fastgen.attention import DecodeAttention, PrefillAttention
+from shared.fastgen.codec_variants import ServedKv, build_kv_serving
+from shared.fastgen.kept import FastGenRule
 from shared.fastgen.lane_store import CodedLaneStore
-from shared.fastgen.policies import FastGenSettings
+from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
+from shared.fastgen.profile import profile_layer
+from shared.model.llama import build_model
 from tests.integration.test_engine_fastgen import GREEDY, _held_blocks, _prompt, _run
 
 pytestmark = pytest.mark.slow
@@ -42,6 +49,35 @@ def test_lanes_over_kvquant_hold_records_and_fewer_blocks(make_engine) -> None:
     assert max(lanes_held[:-1]) < min(full_held[:-1])
     assert lanes_held[-1] == 0 and fastgen.fastgen.lanes.num_blocks_held == 0
     fastgen.block_manager.check_invariants()
+
+
+def test_the_engine_decodes_as_the_quality_harness_over_kvquant(make_engine, checkpoint) -> None:
+    """Lanes of records with a ring of the newest block_size positions, against the harness's `ServedKv` over a dense
+    cache; the prompt is one chunk, so both profile it on the same attention."""
+    settings, block_size = FastGenSettings(threshold=0.9, profile_rows=128), 16
+    engine = make_engine(kv_policy="fastgen", kv_codec=CODEC, fastgen=settings, block_size=block_size)
+    prompt = _prompt(engine)
+    generated, _ = _run(engine, prompt)
+    ids = torch.tensor(prompt + generated)
+    config = checkpoint.config
+    classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, config.vocab_size).of(ids)
+    prompt_classes = (classes[0][: len(prompt)], classes[1][: len(prompt)])
+    model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
+    profiles = []
+    prefill = PrefillAttention(128, lambda layer, probs: profiles.append(
+        profile_layer(probs, prompt_classes, config.num_kv_heads, settings)))
+    served = ServedKv(build_kv_serving(CODEC, config, block_size=block_size), model.rotary, 0, lanes=True)
+    with torch.inference_mode():
+        hidden = model(ids[: len(prompt)], torch.arange(len(prompt)), prefill)
+        predicted = [int(model.compute_logits(hidden[-1:]).argmax())]
+        rules = [[FastGenRule(p.policies, classes, settings) for p in profiles]]
+        ctx = DecodeAttention(prefill, [p.scores for p in profiles], rules, len(ids), [served])
+        for _ in generated[:-1]:
+            position = ctx.start_step()
+            hidden = model(ids[position : position + 1], torch.tensor([position]), ctx)
+            predicted.append(int(model.compute_logits(hidden).argmax()))
+    assert any(int(policy) != Policy.FULL for layer in profiles for policy in layer.policies)  # something evicts
+    assert predicted == generated
 
 
 def test_a_pool_smaller_than_the_batch_completes_everyone(make_engine) -> None:

@@ -1,10 +1,11 @@
 """FastGen's lane records (`LaneCodec`) with the shipped SmolLM2 calibrations: the record size is the layout's, real
 keys and values come back closer the more bits, outlier channels exactly to fp16, encoding is deterministic and per
-entry, bad input and codecs raise; and the harness's round trip (`LaneRoundTrip`) keeps the sink exact and rotates the
-decoded pre-RoPE keys."""
+entry, bad input and codecs raise; and the harness's served K/V (`ServedKv`): the full cache's blocks before the
+step's own decoded, FastGen's records of the pool's values beside the newest W whole, the sink in fp16."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.fastgen.codec_variants import LaneRoundTrip, build_lane_codec
+from shared.fastgen.codec_variants import KvServing, ServedKv, build_kv_serving
 from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.bitpack import packed_num_bytes
 from shared.kvcompress.kvquant import KvQuantCodec
@@ -31,7 +32,7 @@ LAYER = 7
 
 @pytest.fixture(scope="module", params=[4, 3, 2], ids=lambda bits: f"kvquant-{bits}")
 def codec(request: pytest.FixtureRequest) -> LaneCodec:
-    return build_lane_codec(f"kvquant-{request.param}", SMOLLM2)
+    return build_kv_serving(f"kvquant-{request.param}", SMOLLM2).lanes
 
 
 def calibrated_kv(codec: LaneCodec, count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +99,7 @@ def relative_errors(codec: LaneCodec, keys: list[torch.Tensor], values: list[tor
 
 @pytest.mark.slow
 def test_real_keys_and_values_come_back_closer_the_more_bits(real_kv) -> None:
-    errors = {bits: relative_errors(build_lane_codec(f"kvquant-{bits}", SMOLLM2), *real_kv) for bits in (4, 3, 2)}
+    errors = {bits: relative_errors(build_kv_serving(f"kvquant-{bits}", SMOLLM2).lanes, *real_kv) for bits in (4, 3, 2)}
     # Measured on these 64 tokens: keys 5.6% / 9.9% / 18.7%, values 8.1% / 16.1% / 31.7% at 4 / 3 / 2 bits.
     for bits, (k_bound, v_bound) in {4: (0.07, 0.11), 3: (0.13, 0.21), 2: (0.24, 0.40)}.items():
         assert errors[bits][0] < k_bound and errors[bits][1] < v_bound, errors
@@ -164,22 +165,106 @@ def test_bad_codec_sets_raise() -> None:
     with pytest.raises(ValueError, match="same width"):
         LaneCodec([])
     with pytest.raises(ValueError, match="kvquant"):
-        build_lane_codec("kivi-4", SMOLLM2)
+        build_kv_serving("kivi-4", SMOLLM2)
 
 
-def test_the_round_trip_keeps_the_sink_exact_and_rotates_decoded_keys(codec: LaneCodec) -> None:
-    rotary = RotaryEmbedding(codec.head_dim, 64, SMOLLM2.rope_theta)
-    round_trip = LaneRoundTrip(codec, rotary)
-    g = torch.Generator().manual_seed(5)
-    shape = (6, SMOLLM2.num_kv_heads, codec.head_dim)
-    k = codec.key_center[LAYER] + 0.5 * codec.key_scale[LAYER] * torch.randn(shape, generator=g)
-    v = torch.randn(shape, generator=g)
-    positions = torch.tensor([0, 1, 2, 3, 40, 41])
-    k_out, v_out = round_trip(LAYER, k, v, positions)
-    cos, sin = rotary.cos_sin(positions, torch.float32)
-    assert torch.equal(k_out[0], apply_rotary(k, cos, sin)[0]) and torch.equal(v_out[0], v[0])
-    heads = torch.arange(shape[1]).repeat(5)
-    k2, v2 = codec.decode(LAYER, heads, codec.encode(LAYER, heads, k[1:].reshape(-1, 64), v[1:].reshape(-1, 64)))
-    assert torch.equal(v_out[1:], v2.view(5, *shape[1:]))
-    assert torch.allclose(k_out[1:], apply_rotary(k2.view(5, *shape[1:]), cos[1:], sin[1:]))
-    assert not torch.equal(v_out[1:], v[1:])
+# ---- the harness's served K/V (`ServedKv`), in blocks of 4 --------------------------------------------------------
+
+W = 4
+
+
+@pytest.fixture(scope="module")
+def serving() -> KvServing:
+    return build_kv_serving("kvquant-4", SMOLLM2, block_size=W)
+
+
+def exact_kv(serving: KvServing, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys before RoPE around the calibrated centre and values ~ N(0, 1), [kv_heads, num_tokens, D] each."""
+    g = torch.Generator().manual_seed(3)
+    shape = (SMOLLM2.num_kv_heads, num_tokens, SMOLLM2.head_dim)
+    center, scale = serving.lanes.key_center[LAYER][:, None], serving.lanes.key_scale[LAYER][:, None]
+    return center + 0.5 * scale * torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def rotated(k: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """[H, n, D] keys before RoPE at positions start.. -> after."""
+    cos, sin = RotaryEmbedding(SMOLLM2.head_dim, 64, SMOLLM2.rope_theta).cos_sin(
+        torch.arange(start, start + k.shape[1]), torch.float32
+    )
+    return apply_rotary(k, cos.transpose(0, 1), sin.transpose(0, 1))
+
+
+def blocks_decoded(serving: KvServing, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H, n, D] with n a multiple of W, each block encoded alone, block 0 starting the sequence."""
+    codec, parts = serving.blocks[LAYER], []
+    for block in range(k.shape[1] // W):
+        cut = slice(block * W, (block + 1) * W)
+        packed = codec.encode_blocks(k[None, :, cut], v[None, :, cut], starts_sequence=block == 0)
+        parts.append(codec.decode_blocks(packed, k.shape[0], W, k.shape[2]))
+    return torch.cat([pk[0] for pk, _ in parts], dim=1), torch.cat([pv[0] for _, pv in parts], dim=1)
+
+
+def records_decoded(serving: KvServing, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H, n, D] through lane records, one entry at a time."""
+    lanes, k_out, v_out = serving.lanes, torch.empty_like(k), torch.empty_like(v)
+    for head, position in itertools.product(range(k.shape[0]), range(k.shape[1])):
+        heads = torch.tensor([head])
+        records = lanes.encode(LAYER, heads, k[head, position][None], v[head, position][None])
+        k_out[head, position], v_out[head, position] = (x[0] for x in lanes.decode(LAYER, heads, records))
+    return k_out, v_out
+
+
+def serve(
+    serving: KvServing, lanes: bool, k: torch.Tensor, v: torch.Tensor, prompt_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Begin with k, v's first prompt_len tokens and step through the rest, as `DecodeAttention` does: each
+    step's exact K/V go into the caches, then `step`. Returns the caches, [H, n, D] each (keys rotated)."""
+    rotary = RotaryEmbedding(SMOLLM2.head_dim, 64, SMOLLM2.rope_theta)
+    served = ServedKv(serving, rotary, 0, lanes=lanes)
+    k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)
+    k_cache[:, :prompt_len], v_cache[:, :prompt_len] = rotated(k[:, :prompt_len]), v[:, :prompt_len]
+    served.begin(LAYER, k_cache, v_cache, k[:, :prompt_len].transpose(0, 1))
+    for position in range(prompt_len, k.shape[1]):
+        k_cache[:, position] = rotated(k[:, position : position + 1], position)[:, 0]
+        v_cache[:, position] = v[:, position]
+        served.step(LAYER, k_cache, v_cache, k[:, position], position + 1)
+    return k_cache, v_cache
+
+
+def test_the_full_cache_reads_every_block_before_the_steps_own_decoded_and_the_sink_in_fp16(
+    serving: KvServing,
+) -> None:
+    k, v = exact_kv(serving, 13)
+    k_cache, v_cache = serve(serving, False, k[:, :10], v[:, :10], 10)  # L = 11 reads blocks 0 and 1 decoded
+    k_blocks, v_blocks = blocks_decoded(serving, k[:, :8], v[:, :8])
+    assert torch.allclose(k_cache[:, :8], rotated(k_blocks), atol=1e-5) and torch.equal(v_cache[:, :8], v_blocks)
+    assert torch.equal(v_cache[:, 8:10], v[:, 8:10])  # the step's own block, exact
+    assert torch.equal(v_blocks[:, 0], v[:, 0].half().float()) and torch.equal(k_blocks[:, 0], k[:, 0].half().float())
+    assert not torch.allclose(v_blocks[:, 1:], v[:, 1:8], atol=1e-3)
+    # L = 13: the token at 12 starts block 3, so block 2 (positions 8..11, two of them generated) reads decoded
+    k_cache, v_cache = serve(serving, False, k, v, 10)
+    k_blocks, v_blocks = blocks_decoded(serving, k[:, :12], v[:, :12])
+    assert torch.allclose(k_cache[:, :12], rotated(k_blocks), atol=1e-5)
+    assert torch.equal(v_cache[:, :12], v_blocks) and torch.equal(v_cache[:, 12], v[:, 12])
+
+
+def test_fastgen_reads_records_of_the_pools_values_but_the_newest_w_whole(serving: KvServing) -> None:
+    k, v = exact_kv(serving, 15)
+    k_cache, v_cache = serve(serving, True, k, v, 10)
+    # the pool after prefill: blocks 0 and 1 decoded, the prompt's last 2 tokens exact; generated tokens exact
+    k_pool, v_pool = blocks_decoded(serving, k[:, :8], v[:, :8])
+    k_pool, v_pool = torch.cat([k_pool, k[:, 8:]], dim=1), torch.cat([v_pool, v[:, 8:]], dim=1)
+    # the last step (L = 15): positions 1..10 from records, the ring 11..14 whole, the sink the pool's (fp16)
+    k_records, v_records = records_decoded(serving, k_pool[:, 1:11], v_pool[:, 1:11])
+    assert torch.allclose(k_cache[:, 1:11], rotated(k_records, 1), atol=1e-5)
+    assert torch.equal(v_cache[:, 1:11], v_records)
+    assert torch.equal(v_cache[:, 11:], v[:, 11:]) and torch.equal(v_cache[:, 0], v_pool[:, 0])
+    assert torch.allclose(k_cache[:, 11:], rotated(k[:, 11:], 11), atol=1e-5)
+    # position 7 was coded twice (block, then record): neither its block value nor a record of its exact value
+    assert not torch.equal(v_records[:, 6], v_pool[:, 7])
+    assert not torch.equal(v_records[:, 6], records_decoded(serving, k[:, 7:8], v[:, 7:8])[1][:, 0])
+
+
+def test_a_block_size_below_one_raises(serving: KvServing) -> None:
+    with pytest.raises(ValueError, match="block size"):
+        KvServing.of(serving.blocks, 0)
