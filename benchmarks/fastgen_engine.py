@@ -43,7 +43,7 @@ class Figures:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--thresholds", default="1.0,0.95,0.9", help="FastGen's T values, comma-separated")
+    parser.add_argument("--thresholds", default="1.0,0.95", help="FastGen's T values, comma-separated")
     parser.add_argument("--codecs", default="none,kvquant-4", help="KV codecs, comma-separated (none: fp32 tensors)")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=512)

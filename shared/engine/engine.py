@@ -153,8 +153,8 @@ class LLMEngine:
                 for the part the local prefix cache lacks; the step then waits for it layer by layer. If the load
                 fails, the request is computed from its local prefix instead.
         Raises:
-            ValueError: an empty or too long prompt, a duplicate id, or a source that does not supply whole blocks
-                short of the prompt's last token.
+            ValueError: an empty prompt, one too long for the model or for the whole KV pool, a duplicate id, or a
+                source that does not supply whole blocks short of the prompt's last token.
         """
         if prefix_source is not None:
             num = prefix_source.num_tokens
@@ -167,6 +167,9 @@ class LLMEngine:
         limit = self.model_config.max_position
         if len(prompt_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}")
+        needed, held = -(-(len(prompt_ids) + 1) // self.config.block_size), self.block_manager.num_blocks
+        if needed > held:  # it would wait for room forever, and every request behind it with it
+            raise ValueError(f"the prompt needs {needed} KV blocks; this engine's KV pool holds {held}")
         seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, prefix_source=prefix_source)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq

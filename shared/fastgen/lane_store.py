@@ -9,12 +9,13 @@ keeps which entry is where and reads, writes and moves entries through a store; 
   slots of block_size entries; an address is the K row in the pool viewed as rows of head_dim (V is a fixed offset
   further). Keys are stored after RoPE, as the pool holds them.
 - `CodedLaneStore`: each layer's byte row of a block of a `CodecKvPool` holding kvquant blocks is cut into slots of
-  entry records (about block_size entries each; SmolLM2 at 4 bits: 3 slots of 60 records of 74 bytes in a 13,420-byte
-  row, 99% of it used; the blocks' sink rows stay unused). An address is a byte offset into the pool's bytes. Keys are
-  stored before RoPE and rotated after decoding. As the codec pool keeps a sequence's partial last block whole, the
-  lanes keep its newest `window` (= block_size) positions whole: a ring in the sequence's full-precision tail of the
-  pool, at index position % block_size, which every step overwrites with its own token; an entry that recent reads
-  the ring instead of its record (most of the lane codec's loss is in the newest tokens: README, FastGen).
+  entry records (about block_size / 2 entries each; SmolLM2 at 4 bits and block_size 64: 6 slots of 30 records of 74
+  bytes in a 13,420-byte row, 99% of it used; the blocks' sink rows stay unused). An address is a byte offset into
+  the pool's bytes. Keys are stored before RoPE and rotated after decoding. As the codec pool keeps a sequence's
+  partial last block whole, the lanes keep its newest `window` (= block_size) positions whole: a ring in the
+  sequence's full-precision tail of the pool, at index position % block_size, which every step overwrites with its
+  own token; an entry that recent reads the ring instead of its record (most of the lane codec's loss is in the
+  newest tokens: README, FastGen).
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class CodedLaneStore:
         row_entries = pool.block_bytes // self.entry_bytes
         if row_entries < 1:
             raise ValueError(f"a {pool.block_bytes}-byte block row holds no {self.entry_bytes}-byte lane record")
-        self.slots_per_row = max(1, round(row_entries / pool.block_size))
+        # slots of about half a block: a lane's last slot is half empty on average, so smaller slots waste less
+        self.slots_per_row = max(1, round(row_entries / max(1, pool.block_size // 2)))
         self.slot_entries = row_entries // self.slots_per_row
         self.slots_per_block = pool.packed.shape[0] * self.slots_per_row
         self.window = pool.block_size

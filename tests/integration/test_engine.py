@@ -135,3 +135,13 @@ def test_bad_requests_are_refused(checkpoint, engine):
         engine.add_request("long", [1] * checkpoint.config.max_position, GREEDY)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+def test_a_prompt_larger_than_the_whole_pool_is_refused_not_queued_forever(make_engine) -> None:
+    small = make_engine(kv_cache_bytes=4 << 20)  # a handful of 16-token blocks
+    capacity = small.block_manager.num_blocks * 16
+    with pytest.raises(ValueError, match=f"holds {small.block_manager.num_blocks}"):
+        small.add_request("huge", [1] * capacity, GREEDY)  # its first generated token would need one more block
+    assert not small.has_unfinished()
+    small.add_request("fits", [1] * (capacity - 1), SamplingParams(max_tokens=1, temperature=0.0))
+    assert [out.request_id for out in small.step()] == ["fits"]

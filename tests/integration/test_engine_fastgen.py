@@ -5,6 +5,7 @@ is refused (kvquant: `test_engine_fastgen_codec`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,11 @@ import torch
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling import SamplingParams
 from shared.fastgen.attention import DecodeAttention, PrefillAttention
+from shared.fastgen.codec_variants import ServedKv
 from shared.fastgen.kept import FastGenRule
 from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
-from shared.fastgen.profile import profile_layer
-from shared.model.llama import build_model
+from shared.fastgen.profile import LayerProfile, profile_layer
+from shared.model.llama import RotaryEmbedding, build_model
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -77,30 +79,42 @@ def test_below_one_it_holds_fewer_blocks_and_gives_them_back(make_engine) -> Non
     fastgen.block_manager.check_invariants()
 
 
+def harness_predictions(
+    checkpoint, prompt: list[int], generated: list[int], settings: FastGenSettings,
+    served: Callable[[RotaryEmbedding], ServedKv] | None = None,
+) -> tuple[list[int], list[LayerProfile]]:
+    """The quality harness's FastGen (its K/V as `served` makes them, if given) over `prompt` then `generated` fed a
+    token at a time: its greedy prediction after the prompt and after each generated token but the last, and the
+    prompt's profile."""
+    ids = torch.tensor(prompt + generated)
+    config = checkpoint.config
+    classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, config.vocab_size).of(ids)
+    prompt_classes = (classes[0][: len(prompt)], classes[1][: len(prompt)])
+    model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
+    profiles: list[LayerProfile] = []
+    prefill = PrefillAttention(settings.profile_rows, lambda layer, probs: profiles.append(
+        profile_layer(probs, prompt_classes, config.num_kv_heads, settings)))
+    with torch.inference_mode():
+        hidden = model(ids[: len(prompt)], torch.arange(len(prompt)), prefill)
+        predicted = [int(model.compute_logits(hidden[-1:]).argmax())]
+        rules = [[FastGenRule(p.policies, classes, settings) for p in profiles]]
+        coded = [] if served is None else [served(model.rotary)]
+        ctx = DecodeAttention(prefill, [p.scores for p in profiles], rules, len(ids), coded)
+        for _ in generated[:-1]:
+            position = ctx.start_step()
+            hidden = model(ids[position : position + 1], torch.tensor([position]), ctx)
+            predicted.append(int(model.compute_logits(hidden).argmax()))
+    assert any(int(policy) != Policy.FULL for layer in profiles for policy in layer.policies)  # something evicts
+    return predicted, profiles
+
+
 def test_the_engine_decodes_as_the_quality_harness(make_engine, checkpoint) -> None:
     """The lanes (entries in any order, moved on eviction) against the harness's masks over a dense cache."""
     settings = FastGenSettings(threshold=0.9, profile_rows=128)
     engine = make_engine(kv_policy="fastgen", fastgen=settings)
     prompt = _prompt(engine)
     generated, _ = _run(engine, prompt)
-    ids = torch.tensor(prompt + generated)
-    classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, checkpoint.config.vocab_size).of(ids)
-    prompt_classes = (classes[0][: len(prompt)], classes[1][: len(prompt)])
-    model = build_model(checkpoint.config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
-    profiles = []
-    prefill = PrefillAttention(128, lambda layer, probs: profiles.append(
-        profile_layer(probs, prompt_classes, checkpoint.config.num_kv_heads, settings)))
-    with torch.inference_mode():
-        hidden = model(ids[: len(prompt)], torch.arange(len(prompt)), prefill)
-        predicted = [int(model.compute_logits(hidden[-1:]).argmax())]
-        rules = [[FastGenRule(p.policies, classes, settings) for p in profiles]]
-        ctx = DecodeAttention(prefill, [p.scores for p in profiles], rules, len(ids))
-        for _ in generated[:-1]:
-            position = ctx.start_step()
-            hidden = model(ids[position : position + 1], torch.tensor([position]), ctx)
-            predicted.append(int(model.compute_logits(hidden).argmax()))
-    assert any(int(policy) != Policy.FULL for layer in profiles for policy in layer.policies)  # something evicts
-    assert predicted == generated
+    assert harness_predictions(checkpoint, prompt, generated, settings)[0] == generated
 
 
 def test_a_pool_too_small_for_everyone_preempts_and_completes(make_engine) -> None:

@@ -6,18 +6,13 @@ smaller than the batch's KV completes every request."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling import SamplingParams
-from shared.fastgen.attention import DecodeAttention, PrefillAttention
 from shared.fastgen.codec_variants import ServedKv, build_kv_serving
-from shared.fastgen.kept import FastGenRule
 from shared.fastgen.lane_store import CodedLaneStore
-from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
-from shared.fastgen.profile import profile_layer
-from shared.model.llama import build_model
-from tests.integration.test_engine_fastgen import GREEDY, _held_blocks, _prompt, _run
+from shared.fastgen.policies import FastGenSettings
+from tests.integration.test_engine_fastgen import GREEDY, _held_blocks, _prompt, _run, harness_predictions
 
 pytestmark = pytest.mark.slow
 CODEC = "kvquant-4"
@@ -58,25 +53,10 @@ def test_the_engine_decodes_as_the_quality_harness_over_kvquant(make_engine, che
     engine = make_engine(kv_policy="fastgen", kv_codec=CODEC, fastgen=settings, block_size=block_size)
     prompt = _prompt(engine)
     generated, _ = _run(engine, prompt)
-    ids = torch.tensor(prompt + generated)
-    config = checkpoint.config
-    classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, config.vocab_size).of(ids)
-    prompt_classes = (classes[0][: len(prompt)], classes[1][: len(prompt)])
-    model = build_model(config, checkpoint.state_dict, torch.float32, torch.device("cpu"))
-    profiles = []
-    prefill = PrefillAttention(128, lambda layer, probs: profiles.append(
-        profile_layer(probs, prompt_classes, config.num_kv_heads, settings)))
-    served = ServedKv(build_kv_serving(CODEC, config, block_size=block_size), model.rotary, 0, lanes=True)
-    with torch.inference_mode():
-        hidden = model(ids[: len(prompt)], torch.arange(len(prompt)), prefill)
-        predicted = [int(model.compute_logits(hidden[-1:]).argmax())]
-        rules = [[FastGenRule(p.policies, classes, settings) for p in profiles]]
-        ctx = DecodeAttention(prefill, [p.scores for p in profiles], rules, len(ids), [served])
-        for _ in generated[:-1]:
-            position = ctx.start_step()
-            hidden = model(ids[position : position + 1], torch.tensor([position]), ctx)
-            predicted.append(int(model.compute_logits(hidden).argmax()))
-    assert any(int(policy) != Policy.FULL for layer in profiles for policy in layer.policies)  # something evicts
+    serving = build_kv_serving(CODEC, checkpoint.config, block_size=block_size)
+    predicted, _ = harness_predictions(
+        checkpoint, prompt, generated, settings, lambda rotary: ServedKv(serving, rotary, 0, lanes=True)
+    )
     assert predicted == generated
 
 
