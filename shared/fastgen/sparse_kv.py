@@ -119,21 +119,6 @@ class SparseKv:
         bases = self.slot_bases[layer].gather(1, torch.div(entries, self.slot_entries, rounding_mode="floor"))
         return bases + entries % self.slot_entries * self.store.entry_stride
 
-    def append(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, special: torch.Tensor,
-        punct: torch.Tensor,
-    ) -> None:
-        """Add tokens to every lane of a layer (room reserved beforehand).
-
-        Args:
-            k, v: [n, num_kv_heads, head_dim], keys as the store takes them; positions, special, punct: [n].
-        """
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, head_dim]
-        addresses = self.note(layer, positions, special, punct)
-        heads = torch.arange(k.shape[0], device=self.device)[:, None].expand(addresses.shape)
-        self.store.write(layer, heads.flatten(), addresses.flatten(), k.flatten(0, 1), v.flatten(0, 1))
-        self.keep_sink(layer, positions, k, v)
-
     def note(self, layer: int, positions: torch.Tensor, special: torch.Tensor, punct: torch.Tensor) -> torch.Tensor:
         """Enter n new tokens' metadata in every lane of a layer (room reserved beforehand); returns the addresses
         their K/V go to, long [num_kv_heads, n] (the caller writes them)."""

@@ -13,7 +13,7 @@ from shared.blocks import BlockManager, OutOfBlocks
 from shared.fastgen.lane_store import RawLaneStore
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings, Policy
-from shared.fastgen.sparse_kv import SparseKv
+from shared.fastgen.sparse_kv import SparseKv, append_lanes
 
 LAYERS, HEADS, BLOCKS, BLOCK_SIZE, DIM = 2, 3, 6, 4, 8
 
@@ -67,7 +67,7 @@ def _step(sparse: SparseKv, generator: torch.Generator) -> tuple[torch.Tensor, t
     sparse.length += 1
     q, k, v = (torch.randn(HEADS, DIM, generator=generator) for _ in range(3))
     false = torch.zeros(1, dtype=torch.bool)
-    sparse.append(0, k[None], v[None], torch.tensor([sparse.length - 1]), false, false)
+    append_lanes([sparse], 0, k[None], v[None], false, false)
     out = sparse.attend(0, q, DIM**-0.5)
     sparse.evict(0)
     return out, k, v
@@ -83,7 +83,7 @@ def test_full_lanes_attend_over_every_token_as_dense_attention_does() -> None:
         q, k, v = (torch.randn(HEADS, DIM, generator=generator) for _ in range(3))
         keys.append(k)
         values.append(v)
-        sparse.append(0, k[None], v[None], torch.tensor([sparse.length - 1]), *torch.zeros(2, 1, dtype=torch.bool))
+        append_lanes([sparse], 0, k[None], v[None], *torch.zeros(2, 1, dtype=torch.bool))
         out = sparse.attend(0, q, DIM**-0.5)
         sparse.evict(0)
         k_all, v_all = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [heads, n, dim]
