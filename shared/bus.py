@@ -23,6 +23,7 @@ from shared.protocol import Ack, Message, ProtocolError, Subjects, decode, encod
 log = get_logger(__name__)
 T = TypeVar("T", bound=Message)
 Handler = Callable[[Any], Awaitable[Message | None]]
+NO_RESPONDERS_GRACE_S = 0.25  # how long a request waits for a responder the server does not see yet
 
 
 class BusError(RuntimeError):
@@ -78,10 +79,7 @@ class Bus:
         Raises:
             BusError: no responder, a timeout, an `Ack` carrying an error, or a reply of another type.
         """
-        try:
-            reply = await self.client.request(subject, encode(msg), timeout=timeout_s)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-            raise BusError(f"no answer on {subject}: {type(exc).__name__}") from None
+        reply = await self._request_raw(subject, encode(msg), timeout_s)
         try:
             answer = decode(reply.data)
         except ProtocolError as exc:
@@ -118,6 +116,27 @@ class Bus:
         sub = await self.client.subscribe(subject, queue=queue, cb=on_msg)
         await self.client.flush()  # the server knows the subscription before we say we serve
         return sub
+
+    async def _request_raw(self, subject: str, payload: bytes, timeout_s: float) -> Msg:
+        """One request, asked again while the server says nobody listens, for at most `NO_RESPONDERS_GRACE_S`.
+
+        A subscription another connection has just flushed can still be invisible to this connection's publish for a
+        moment on a busy server (nats-io/nats-server#2876); a responder that is starting up is not a missing one.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        grace_ends = loop.time() + min(NO_RESPONDERS_GRACE_S, timeout_s)
+        pause_s = 0.01
+        while True:
+            try:
+                return await self.client.request(subject, payload, timeout=max(deadline - loop.time(), 0.001))
+            except nats.errors.NoRespondersError:
+                if loop.time() + pause_s > grace_ends:
+                    raise BusError(f"no answer on {subject}: NoRespondersError") from None
+            except nats.errors.TimeoutError:
+                raise BusError(f"no answer on {subject}: TimeoutError") from None
+            await asyncio.sleep(pause_s)
+            pause_s *= 2
 
     async def drain(self) -> None:
         """Finish pending handlers, flush, and close."""

@@ -32,6 +32,28 @@ async def test_request_reply_is_typed(nats_url: str) -> None:
     await client.drain()
 
 
+async def test_a_responder_that_subscribes_a_moment_late_still_gets_the_request(nats_url: str) -> None:
+    server, client = await _bus(nats_url, "server"), await _bus(nats_url, "client")
+
+    async def handler(msg: Message) -> Message:
+        return BlockHasReply([True for _ in msg.block_hashes])
+
+    async def serve_soon() -> None:
+        await asyncio.sleep(0.03)
+        await server.serve("t.late", handler)
+
+    late = asyncio.create_task(serve_soon())
+    reply = await client.request("t.late", BlockHas([7]), BlockHasReply)
+    await late
+    assert reply.present == [True]
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(BusError, match="NoRespondersError"):
+        await client.request("t.never", BlockHas([7]), BlockHasReply, timeout_s=5.0)
+    assert asyncio.get_running_loop().time() - started < 2.0  # nobody listening fails long before the timeout
+    await server.drain()
+    await client.drain()
+
+
 async def test_a_failing_handler_answers_an_error_and_keeps_serving(nats_url: str) -> None:
     server, client = await _bus(nats_url, "server"), await _bus(nats_url, "client")
 
