@@ -188,7 +188,7 @@ class DecodeService:
             if assembly is None or assembly.num_received != task.num_chunks:
                 raise KvTransferError(f"request {request_id}: expected {task.num_chunks} KV chunks")
             profile = None if not task.num_profile_parts else self.profiles.take(
-                request_id, cfg.num_layers, cfg.num_kv_heads, len(task.prompt_ids))
+                request_id, cfg.num_layers, cfg.num_kv_heads, len(task.prompt_ids), self.engine.config.fastgen.full + 1)
             packed = self.engine.packed_format
             kv: torch.Tensor | PackedPromptKv
             if packed is not None:

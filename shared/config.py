@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
-from shared.fastgen.policies import FastGenSettings
+from shared.fastgen.policies import FastGenSettings, parse_shares
 from shared.sim.profiles import PROFILES
 
 POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
@@ -62,6 +62,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_FASTGEN_R_LOCAL", "0.3", "FastGen: the local window, a share of the length"),
         EnvVar("TSUKIMI_FASTGEN_R_FREQUENT", "0.3", "FastGen: the heavy-hitter budget, a share of the length"),
         EnvVar("TSUKIMI_FASTGEN_PROFILE_ROWS", "512", "FastGen: the prompt's last query rows it profiles on"),
+        EnvVar("TSUKIMI_FASTGEN_WIDER_LOCAL", "0.5,0.7", "FastGen: wider windows tried before the full cache (none)"),
+        EnvVar("TSUKIMI_FASTGEN_FREQUENT_ALONE", "off", "FastGen: heavy hitters without the window are a policy"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
         EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
@@ -165,6 +167,8 @@ def load_settings(
             r_local=get.number("TSUKIMI_FASTGEN_R_LOCAL", minimum=0.0),
             r_frequent=get.number("TSUKIMI_FASTGEN_R_FREQUENT", minimum=0.0),
             profile_rows=get.integer("TSUKIMI_FASTGEN_PROFILE_ROWS", minimum=1),
+            wider_local=parse_shares(get.text("TSUKIMI_FASTGEN_WIDER_LOCAL")),
+            frequent_alone=get.switch("TSUKIMI_FASTGEN_FREQUENT_ALONE"),
         )
         engine = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
     except ValueError as exc:

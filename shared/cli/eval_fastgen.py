@@ -16,21 +16,23 @@ import torch
 from shared.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
 from shared.fastgen.codec_variants import DEFAULT_BLOCK_SIZE, LANE_CODECS, build_kv_serving
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
-from shared.fastgen.policies import FastGenSettings, Policy
+from shared.fastgen.policies import PAPER_WIDER_LOCAL, TSUKIMI_WIDER_LOCAL, FastGenSettings, parse_shares
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
 from shared.model.checkpoint import load_checkpoint
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
     """Add `fastgen` to the `eval` command's subcommands."""
-    policies = ", ".join(p.label for p in Policy)
+    policies = ", ".join(FastGenSettings().labels())
+    paper = ", ".join(FastGenSettings(wider_local=PAPER_WIDER_LOCAL, frequent_alone=True).labels())
     parser = kinds.add_parser(
         "fastgen", help="FastGen's adaptive KV eviction against the full cache, StreamingLLM and H2O",
         description="Run the model (fp32, CPU) over --windows windows of FILE: each a prompt of --prompt-len tokens "
         "(full attention; FastGen profiles it), then the next --gen-len tokens fed one at a time as if generated. "
         "Per layer and KV head FastGen keeps, for the whole continuation, the cheapest policy whose kept keys "
         "recover at least --threshold of the prompt's attention mass (the minimum over the head's query heads of "
-        f"the mean over the profiled rows); policies, cheapest first: {policies}. Reports the continuation "
+        f"the mean over the profiled rows); policies, cheapest first: {policies} (the FastGen paper's, with "
+        f"--wider-local none --frequent-alone: {paper}). Reports the continuation "
         "perplexity with the full cache and with FastGen, their relative difference, KL(full || FastGen) per "
         "prediction, top-1 agreement, the fraction of KV kept (each decode step's kept (token, head, layer) "
         "entries over all, averaged over the steps) and the policies chosen; and the same figures for "
@@ -60,6 +62,15 @@ def register(kinds: argparse._SubParsersAction) -> None:
         help="heavy-hitter budget, a share of the length, in [0, 1] (default: 0.3)",
     )
     parser.add_argument(
+        "--wider-local", type=_shares, default=TSUKIMI_WIDER_LOCAL, metavar="LIST",
+        help="wider windows, increasing shares above --r-local, each a policy (with the heavy hitters) tried before "
+        "the full cache; none for the paper's ladder (default: " + ",".join(map(str, TSUKIMI_WIDER_LOCAL)) + ")",
+    )
+    parser.add_argument(
+        "--frequent-alone", action="store_true",
+        help="make heavy hitters without the local window a policy, as the paper does (default: not)",
+    )
+    parser.add_argument(
         "--profile-rows", type=positive_int, default=None, metavar="W",
         help="profile on the prompt's last W query rows (default: every row); costs heads x W x prompt-len "
         "float64 per layer",
@@ -81,9 +92,17 @@ def register(kinds: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        return parse_shares(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _settings(args: argparse.Namespace) -> tuple[FastGenSettings, WindowSpec]:
     try:
-        settings = FastGenSettings(args.threshold, args.r_local, args.r_frequent, args.profile_rows)
+        settings = FastGenSettings(args.threshold, args.r_local, args.r_frequent, args.profile_rows,
+                                   args.wider_local, args.frequent_alone)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if args.profile_rows is not None and args.profile_rows > args.prompt_len:
@@ -119,7 +138,8 @@ def _print_table(result: dict[str, Any]) -> None:
     windows = f"{result['num_windows']} window{'s' if result['num_windows'] != 1 else ''}"
     print(f"{windows} x ({result['prompt_len']} prompt + {result['gen_len']} continuation) tokens of "
           f"{result['text']} ({result['num_predictions']} predictions), T={result['threshold']}, "
-          f"r_l={result['r_local']}, r_f={result['r_frequent']}, {result['profile_rows']} profiled rows, "
+          f"r_l={result['r_local']}, r_f={result['r_frequent']}, wider windows {result['wider_local'] or 'none'}"
+          f"{', heavy hitters alone' if result['frequent_alone'] else ''}, {result['profile_rows']} profiled rows, "
           f"{result['elapsed_s']} s (prefill {result['prefill_s']} s, of which profiling {result['profile_s']} s)")
     rows = {"full": {"ppl": result["ppl_full"], "rel_ppl_increase": 0.0, "kl": 0.0, "top1_agreement": 1.0,
                      "kv_kept_fraction": 1.0},

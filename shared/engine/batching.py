@@ -7,12 +7,15 @@ Owns the waiting queue, the running set, admission against the block manager and
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.blocks import BlockManager, OutOfBlocks
 from shared.engine.prefix_load import PrefixLoad
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class LaneHolder(Protocol):
 class StepPlan:
     chunks: list[ScheduledChunk]  # every single-token chunk (decode-shaped) first, then the longer ones
     preempted: list[Sequence]
+    outgrown: list[Sequence] = field(default_factory=list)  # running alone, still no room: the engine ends them
 
 
 class Scheduler:
@@ -57,7 +61,8 @@ class Scheduler:
 
     When the pool cannot hold one more token for a running sequence, the most recently admitted one is preempted:
     its blocks are freed and it goes back to the front of the queue to be recomputed (its full blocks usually come
-    back from the prefix cache).
+    back from the prefix cache). A sequence that has outgrown the whole pool (no room though it runs alone) is not
+    preempted, which would re-admit it forever, but planned nowhere and reported in `StepPlan.outgrown`.
 
     A sequence with a `prefix_source` starts loading, at admission, the prefix blocks the local cache lacks; they
     count as computed, so the step computes only the rest (waiting per layer, see `PrefixLoad`). The step settles
@@ -113,6 +118,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         preempted: list[Sequence] = []
+        outgrown: list[Sequence] = []
         budget = self.max_num_batched_tokens
         decode: list[ScheduledChunk] = []
         prefill: list[ScheduledChunk] = []
@@ -121,12 +127,12 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            if not self._reserve_slots(seq, preempted):
+            if not self._reserve_slots(seq, preempted, outgrown):
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
             budget -= num
             (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted + outgrown:
             seq = self.waiting[0]
             try:
                 cached = self.block_manager.allocate(seq.request_id, seq.token_ids)
@@ -139,7 +145,7 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             budget -= num
             (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
-        return StepPlan(decode + prefill, preempted)
+        return StepPlan(decode + prefill, preempted, outgrown)
 
     def _start_load(self, seq: Sequence, num_cached: int) -> int:
         """Start loading the prefix beyond the local cache, if the sequence has a source; returns the tokens that now
@@ -155,18 +161,18 @@ class Scheduler:
         seq.prefix_load = load
         return source.num_tokens
 
-    def _reserve_slots(self, seq: Sequence, preempted: list[Sequence]) -> bool:
-        """Make the block table (or the lanes) cover every known token, preempting later sequences if needed."""
-        if self.lanes is not None and self.lanes.holds(seq.request_id):
-            while not self.lanes.reserve(seq.request_id):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    return False
-            return True
-        missing = seq.token_ids[self.block_manager.num_tokens(seq.request_id) :]
-        while missing and not self.block_manager.can_append(seq.request_id, len(missing)):
+    def _reserve_slots(self, seq: Sequence, preempted: list[Sequence], outgrown: list[Sequence]) -> bool:
+        """Make the block table (or the lanes) cover every known token, preempting later sequences if needed; False
+        if `seq` was preempted, or has outgrown the pool (added to `outgrown`, left running for the engine to end)."""
+        on_lanes = self.lanes is not None and self.lanes.holds(seq.request_id)
+        missing = [] if on_lanes else seq.token_ids[self.block_manager.num_tokens(seq.request_id) :]
+        while not self._make_room(seq, on_lanes, len(missing)):
+            if len(self.running) == 1:  # only `seq` runs: preempting it frees nothing it could use
+                log.warning("the whole KV pool cannot hold one more token of this request; it ends",
+                            request_id=seq.request_id, num_tokens=seq.num_tokens,
+                            kv_blocks=self.block_manager.num_blocks)
+                outgrown.append(seq)
+                return False
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
@@ -175,6 +181,13 @@ class Scheduler:
         if missing:
             self.block_manager.append(seq.request_id, missing)
         return True
+
+    def _make_room(self, seq: Sequence, on_lanes: bool, num_missing: int) -> bool:
+        """Whether the pool has room for the sequence's next tokens (in its lanes: reserves it)."""
+        if on_lanes:
+            assert self.lanes is not None
+            return self.lanes.reserve(seq.request_id)
+        return num_missing == 0 or self.block_manager.can_append(seq.request_id, num_missing)
 
     def _preempt(self, seq: Sequence) -> None:
         _end_load(seq)

@@ -196,8 +196,10 @@ class LLMEngine:
                 whose load failed is left out from the first layer that did not arrive.
         """
         plan = self.scheduler.schedule()
+        # The whole pool cannot hold one more token of these: they end as at the context limit.
+        outgrown = [self._finish(seq, FinishReason.LENGTH, []) for seq in plan.outgrown]
         if not plan.chunks:
-            return []
+            return outgrown
         started = time.perf_counter()
         tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks
                   if c.seq.request_id in self.block_manager}  # not those in FastGen's lanes
@@ -207,7 +209,7 @@ class LLMEngine:
         restarted = {seq.request_id for seq in self.scheduler.finish_step(plan)}
         waited = sum(load.waited_s for load in loads)
         self.last_step = StepStats(num_new, work, time.perf_counter() - started - waited, waited)
-        outputs = []
+        outputs = outgrown
         for request_id, token in sampled.items():
             if request_id not in restarted:
                 outputs.append(self._accept_token(self._seqs[request_id], token))

@@ -128,6 +128,7 @@ def evaluate_fastgen(
         "baselines": {name: totals.figures(run.full.ppl) for name, totals in run.baselines.items()},
         "layer_kv_kept_fraction": (run.layer_kept / len(spans)).tolist(),
         "threshold": settings.threshold, "r_local": settings.r_local, "r_frequent": settings.r_frequent,
+        "wider_local": list(settings.wider_local), "frequent_alone": settings.frequent_alone,
         "profile_rows": min(settings.profile_rows or spec.prompt_len, spec.prompt_len),
         "prompt_len": spec.prompt_len, "gen_len": spec.gen_len, "num_windows": len(spans),
         "num_predictions": run.full.num_predictions,
@@ -175,7 +176,7 @@ def _run_window(
     run.profile_s += prefill.profile_s
     scores = [profile.scores for profile in profiles]
     for profile in profiles:
-        run.policies.update({k: v for k, v in policy_counts(profile.policies).items() if v})
+        run.policies.update({k: v for k, v in policy_counts(profile.policies, settings).items() if v})
 
     fastgen_rules = [FastGenRule(profile.policies, token_classes, settings) for profile in profiles]
     full_rules = [KeepAll() for _ in profiles]

@@ -12,6 +12,7 @@ the next step will see besides its own new key (which every step sees).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -47,6 +48,25 @@ def top_scored(scores: torch.Tensor, visible: torch.Tensor, counts: torch.Tensor
     return torch.zeros_like(visible).scatter(-1, order, chosen)
 
 
+def ladder_masks(
+    settings: FastGenSettings, kept_special: torch.Tensor, kept_punct: torch.Tensor,
+    heavy: Callable[[float], torch.Tensor], local: Callable[[float], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Each rung's kept mask from its parts: the special and punctuation masks, `heavy(r_f)` and `local(r_l)` (each
+    called once per distinct share), indexed by policy id."""
+    heavy_of = {r: heavy(r) for r in {rung.r_frequent for rung in settings.ladder if rung.r_frequent > 0}}
+    local_of = {r: local(r) for r in {rung.r_local for rung in settings.ladder if rung.r_local > 0}}
+    masks = []
+    for rung in settings.ladder:
+        kept = kept_punct if rung.punct else kept_special
+        if rung.r_frequent > 0:
+            kept = kept | heavy_of[rung.r_frequent]
+        if rung.r_local > 0:
+            kept = kept | local_of[rung.r_local]
+        masks.append(kept)
+    return masks
+
+
 def policy_masks(
     visible: torch.Tensor, classes: tuple[torch.Tensor, torch.Tensor], scores: torch.Tensor, lengths: torch.Tensor,
     settings: FastGenSettings,
@@ -59,17 +79,17 @@ def policy_masks(
         scores: [kv_heads, R, n], accumulated attention as row r ranks the heavy hitters.
         lengths: long [R]; the budgets are ceil(r_f x length) heavy hitters and the ceil(r_l x length) newest.
     Returns:
-        bool [len(CHEAP_POLICIES), kv_heads, R, n], indexed by `Policy`, each a superset of the one before.
+        bool [len(settings.ladder), kv_heads, R, n], indexed by policy id, each a superset of the one before.
     """
     special, punct = classes
     num_keys = visible.shape[-1]
     kept_special = visible & special
-    kept_punct = kept_special | (visible & punct)
-    heavy = top_scored(scores, visible, ratio_budget(settings.r_frequent, lengths))
-    kept_frequent = kept_punct | heavy
-    local = newest(lengths, ratio_budget(settings.r_local, lengths), num_keys)
-    kept_local = kept_frequent | (visible & local)
-    return torch.stack([kept_special, kept_punct, kept_frequent, kept_local])
+    masks = ladder_masks(
+        settings, kept_special, kept_special | (visible & punct),
+        lambda r_frequent: top_scored(scores, visible, ratio_budget(r_frequent, lengths)),
+        lambda r_local: visible & newest(lengths, ratio_budget(r_local, lengths), num_keys),
+    )
+    return torch.stack(masks)
 
 
 def kept_entries(
@@ -80,21 +100,25 @@ def kept_entries(
     for keys stored in any order (the engine's lanes), each entry knowing its position and class.
 
     Args:
-        policies: long [R], each lane's `Policy`; positions: long [R, E]; valid: bool [R, E], the entries held.
+        policies: long [R], each lane's policy id; positions: long [R, E]; valid: bool [R, E], the entries held.
         classes: (special, punct), bool [R, E] each; scores: [R, E], accumulated attention.
         lengths: long [R], or one length for every lane.
     Returns:
-        bool [R, E], within `valid`: FULL keeps every valid entry.
+        bool [R, E], within `valid`: the full cache keeps every valid entry.
     """
     special, punct = classes
     lengths = torch.as_tensor(lengths).expand(valid.shape[0]).cpu()
     kept_special = valid & special
-    kept_punct = kept_special | (valid & punct)
-    heavy = top_scored(scores[None], valid[None], ratio_budget(settings.r_frequent, lengths))[0]
-    kept_frequent = kept_punct | heavy
-    oldest_local = (lengths - ratio_budget(settings.r_local, lengths)).to(valid.device)
-    kept_local = kept_frequent | (valid & (positions >= oldest_local[:, None]))
-    options = torch.stack([kept_special, kept_punct, kept_frequent, kept_local, valid])  # indexed by Policy
+
+    def local(r_local: float) -> torch.Tensor:
+        oldest = (lengths - ratio_budget(r_local, lengths)).to(valid.device)
+        return valid & (positions >= oldest[:, None])
+
+    masks = ladder_masks(
+        settings, kept_special, kept_special | (valid & punct),
+        lambda r_frequent: top_scored(scores[None], valid[None], ratio_budget(r_frequent, lengths))[0], local,
+    )
+    options = torch.stack([*masks, valid])  # indexed by policy id; the full cache last
     return options[policies, torch.arange(valid.shape[0], device=valid.device)]
 
 
@@ -118,9 +142,9 @@ class FastGenRule:
     """Each KV head keeps what its policy keeps, for the whole generation.
 
     Args:
-        policies: long [kv_heads], `Policy` values.
+        policies: long [kv_heads], policy ids (`FastGenSettings.ladder`, then the full cache).
         classes: (special, punct), bool [num_tokens] each, for every token the sequence will hold.
-        settings: r_l and r_f.
+        settings: the ladder.
     """
 
     def __init__(
@@ -132,7 +156,7 @@ class FastGenRule:
         classes = (self.classes[0][:length], self.classes[1][:length])
         one_row = torch.tensor([length])
         masks = policy_masks(visible[:, None], classes, scores[:, None], one_row, self.settings)[:, :, 0]
-        options = torch.cat([masks, visible[None]])  # [len(Policy), kv_heads, length]; FULL keeps all it saw
+        options = torch.cat([masks, visible[None]])  # [policies, kv_heads, length]; the full cache keeps all it saw
         return options[self.policies, torch.arange(visible.shape[0])]
 
 

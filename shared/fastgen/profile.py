@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.fastgen.kept import policy_masks
-from shared.fastgen.policies import CHEAP_POLICIES, FastGenSettings, Policy
+from shared.fastgen.policies import FastGenSettings
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class LayerProfile:
     """One layer's profile.
 
     Attributes:
-        policies: long [kv_heads], the `Policy` chosen per KV head.
-        lost: float64 [len(CHEAP_POLICIES), kv_heads], the attention mass each cheap policy loses (the maximum over
+        policies: long [kv_heads], the policy id chosen per KV head (`FastGenSettings.ladder`, then the full cache).
+        lost: float64 [len(ladder), kv_heads], the attention mass each cheap policy loses (the maximum over
             the group's query heads of the mean over profiled rows); recovered = 1 - lost.
         scores: float64 [kv_heads, n], each key's attention summed over the profiled rows and the group's query heads.
     """
@@ -51,7 +51,7 @@ def profile_layer(
             n - W .. n - 1) over its n keys; query head h belongs to KV head h // (num_heads / num_kv_heads).
         classes: (special, punct), bool [n] each, the prompt tokens' classes.
         num_kv_heads: KV heads of the layer.
-        settings: T, r_l and r_f.
+        settings: T and the ladder.
     Raises:
         ValueError: the shapes do not fit (heads not a multiple of num_kv_heads, W > n, classes not [n]).
     """
@@ -71,26 +71,27 @@ def profile_layer(
         (probs * ~(mask | itself).repeat_interleave(group, dim=0)).sum(dim=-1).mean(dim=-1)  # [num_heads]
         for mask in masks
     ])
-    lost = lost.view(len(CHEAP_POLICIES), num_kv_heads, group).amax(dim=-1)  # the worst-served query head
+    lost = lost.view(len(masks), num_kv_heads, group).amax(dim=-1)  # the worst-served query head
     return LayerProfile(choose_policies(lost, settings.threshold), lost, before[:, -1] + per_row[:, -1])
 
 
 def choose_policies(lost: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The first cheap policy per KV head that loses at most 1 - T of the attention mass, else `Policy.FULL`.
+    """The first cheap policy per KV head that loses at most 1 - T of the attention mass, else the full cache (the
+    id one past the cheap ones).
 
     T = 1 keeps everything: a cheap policy that loses nothing on the prompt may still lose mass as decoding goes on.
 
     Args:
-        lost: [len(CHEAP_POLICIES), kv_heads], as `LayerProfile.lost`.
+        lost: [len(ladder), kv_heads], as `LayerProfile.lost`.
     Returns:
         long [kv_heads].
     """
     if threshold >= 1:
-        return torch.full(lost.shape[1:], int(Policy.FULL), dtype=torch.long)
+        return torch.full(lost.shape[1:], lost.shape[0], dtype=torch.long)
     good_enough = torch.cat([lost <= 1 - threshold, torch.ones_like(lost[:1], dtype=torch.bool)])
-    return good_enough.int().argmax(dim=0).long()  # argmax of 0/1: the first True (FULL's row is all True)
+    return good_enough.int().argmax(dim=0).long()  # argmax of 0/1: the first True (the full row is all True)
 
 
-def policy_counts(policies: torch.Tensor) -> dict[str, int]:
-    """How many heads each policy has, by `Policy.label`, every policy listed (zeros too), cheapest first."""
-    return {policy.label: int((policies == policy).sum()) for policy in Policy}
+def policy_counts(policies: torch.Tensor, settings: FastGenSettings) -> dict[str, int]:
+    """How many heads each policy has, by label, every policy listed (zeros too), cheapest first."""
+    return {label: int((policies == policy).sum()) for policy, label in enumerate(settings.labels())}

@@ -27,7 +27,7 @@ class SparseKv:
     Args:
         lanes: the slot allocator (over the engine's block manager).
         store: where and how the pool holds entries.
-        policies: long [num_layers, num_kv_heads], each lane's `Policy`.
+        policies: long [num_layers, num_kv_heads], each lane's policy id (`FastGenSettings`).
         settings: r_l and r_f.
         capacity: entries per lane to make room for at first (grown as needed).
     """

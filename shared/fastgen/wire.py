@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.fastgen.policies import Policy
 from shared.payload import PayloadError, checksum, compress, decompress
 from shared.protocol import FastGenProfilePart
 
@@ -25,7 +24,7 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class PromptProfile:
-    """What FastGen learnt from a prompt: long [num_layers, num_kv_heads] policies (`Policy` values), and float32
+    """What FastGen learnt from a prompt: long [num_layers, num_kv_heads] policy ids (`FastGenSettings`), and float32
     [num_layers, num_kv_heads, num_tokens] accumulated attention of the profiled rows."""
 
     policies: torch.Tensor
@@ -66,8 +65,10 @@ class ProfileParts:
     def num_received(self, request_id: str) -> int:
         return len(self._parts.get(request_id, {}))
 
-    def take(self, request_id: str, num_layers: int, num_kv_heads: int, num_tokens: int) -> PromptProfile:
-        """Pop a request's whole profile.
+    def take(
+        self, request_id: str, num_layers: int, num_kv_heads: int, num_tokens: int, num_policies: int
+    ) -> PromptProfile:
+        """Pop a request's whole profile; its policy ids must be below `num_policies` (the full cache's id + 1).
 
         Raises:
             ProfileError: parts missing, or a profile that is not of this shape (or does not decode).
@@ -86,7 +87,7 @@ class ProfileParts:
             raise ProfileError(f"FastGen profile of {request_id}: {exc}") from None
         if not isinstance(raw, bytes) or len(raw) != lanes * num_tokens * SCORE_BYTES or max(
             first.policies
-        ) > Policy.FULL:
+        ) >= num_policies:
             raise ProfileError(f"FastGen profile of {request_id} holds {len(raw)} score bytes or a bad policy")
         scores = torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy())
         policies = torch.tensor(list(first.policies), dtype=torch.long)

@@ -1,4 +1,5 @@
-"""The engine on the real model: batching, chunked prefill, prefix reuse, preemption, sampling, stops, cancel."""
+"""The engine on the real model: batching, chunked prefill, prefix reuse, preemption (and a request that outgrows the
+whole pool), sampling, stops, cancel."""
 
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(checkpoint, engine, make_eng
     tiny = make_engine(kv_cache_bytes=bytes_per_block * (blocks_per_seq * 2 + 1))
     assert [c.token_ids for c in tiny.generate(prompts, GREEDY)] == expected
     assert tiny.block_manager.num_free_blocks == tiny.block_manager.num_blocks
+
+
+def test_a_request_that_outgrows_the_whole_pool_ends_with_length_and_the_engine_serves_on(checkpoint, engine,
+                                                                                         make_engine):
+    ids = checkpoint.tokenizer.encode(STORY)
+    bytes_per_block = engine.runner.pool.bytes_per_block(checkpoint.config, 16, engine.runner.dtype)
+    blocks = -(-(len(ids) + 1) // 16) + 1  # the prompt and one more block of output, no more
+    tiny = make_engine(kv_cache_bytes=bytes_per_block * blocks)
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    ended = _alone(tiny, ids, long)
+    # Every token but the last sampled one has its KV in the pool, which is full.
+    assert ended.finish_reason is FinishReason.LENGTH and len(ids) + len(ended.token_ids) == blocks * 16 + 1
+    assert ended.token_ids == _alone(engine, ids, long).token_ids[: len(ended.token_ids)]
+    assert tiny.block_manager.num_free_blocks == tiny.block_manager.num_blocks and not tiny.has_unfinished()
+    assert _alone(tiny, ids).token_ids == _alone(engine, ids).token_ids  # it serves on
 
 
 def test_same_seed_same_output_other_seed_differs(checkpoint, engine):

@@ -1,7 +1,7 @@
 """The engine with FastGen, on the real model: at T = 1 it answers exactly as the full cache does; below 1 its decode
 is the quality harness's FastGen token for token (lanes against masks), it holds fewer blocks than the full cache and
-gives them all back; under a pool too small for everyone it preempts and still completes; a codec without lane records
-is refused (kvquant: `test_engine_fastgen_codec`)."""
+gives them all back; under a pool too small for everyone it preempts and still completes, and lanes that outgrow the
+whole pool end their request with "length"; a codec without lane records is refused (kvquant: `test_engine_fastgen_codec`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch
 
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import FinishReason
 from shared.fastgen.attention import DecodeAttention, PrefillAttention
 from shared.fastgen.codec_variants import ServedKv
 from shared.fastgen.kept import FastGenRule
-from shared.fastgen.policies import FastGenSettings, Policy, TokenClasses
+from shared.fastgen.policies import FastGenSettings, TokenClasses
 from shared.fastgen.profile import LayerProfile, profile_layer
 from shared.model.llama import RotaryEmbedding, build_model
 
@@ -104,7 +105,7 @@ def harness_predictions(
             position = ctx.start_step()
             hidden = model(ids[position : position + 1], torch.tensor([position]), ctx)
             predicted.append(int(model.compute_logits(hidden).argmax()))
-    assert any(int(policy) != Policy.FULL for layer in profiles for policy in layer.policies)  # something evicts
+    assert any(int(policy) != settings.full for layer in profiles for policy in layer.policies)  # something evicts
     return predicted, profiles
 
 
@@ -122,6 +123,14 @@ def test_a_pool_too_small_for_everyone_preempts_and_completes(make_engine) -> No
     prompts = [_prompt(fastgen, 60 + 7 * i) for i in range(4)]
     done = fastgen.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     assert [len(c.token_ids) for c in done] == [40] * 4
+    assert _held_blocks(fastgen) == 0 and fastgen.fastgen is not None and fastgen.fastgen.lanes.num_blocks_held == 0
+    fastgen.block_manager.check_invariants()
+
+
+def test_lanes_that_outgrow_the_whole_pool_end_the_request_with_length(make_engine) -> None:
+    fastgen = _fastgen(make_engine, 1.0, kv_cache_bytes=8 << 20)  # keeps every token; 11 blocks of 16 tokens
+    ended = fastgen.generate([_prompt(fastgen, 60)], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    assert ended[0].finish_reason is FinishReason.LENGTH and 60 < 60 + len(ended[0].token_ids) <= 11 * 16 + 1
     assert _held_blocks(fastgen) == 0 and fastgen.fastgen is not None and fastgen.fastgen.lanes.num_blocks_held == 0
     fastgen.block_manager.check_invariants()
 

@@ -12,7 +12,7 @@ import torch
 from shared.blocks import BlockManager, OutOfBlocks
 from shared.fastgen.lane_store import RawLaneStore
 from shared.fastgen.lanes import LaneSlots
-from shared.fastgen.policies import FastGenSettings, Policy
+from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.sparse_kv import SparseKv, append_lanes
 
 LAYERS, HEADS, BLOCKS, BLOCK_SIZE, DIM = 2, 3, 6, 4, 8
@@ -53,12 +53,16 @@ def test_slots_are_cut_from_whole_blocks_and_blocks_go_back_empty() -> None:
     manager.check_invariants()
 
 
-def _sparse(policy: Policy, manager: BlockManager | None = None) -> tuple[SparseKv, torch.Tensor]:
+WINDOW_ALONE = FastGenSettings(r_local=0.3, r_frequent=0.0, wider_local=())  # policy 2: special, punct, the window
+LOCAL = 2
+
+
+def _sparse(policy: int, manager: BlockManager | None = None) -> tuple[SparseKv, torch.Tensor]:
     pool = torch.zeros(LAYERS, 2, HEADS, BLOCKS, BLOCK_SIZE, DIM)
     store = RawLaneStore(pool)
     lanes = LaneSlots(manager or BlockManager(BLOCKS, BLOCK_SIZE), store.slots_per_block)
-    policies = torch.full((LAYERS, HEADS), int(policy))
-    return SparseKv(lanes, store, policies, FastGenSettings(r_local=0.3, r_frequent=0.3), capacity=2), pool
+    policies = torch.full((LAYERS, HEADS), policy)
+    return SparseKv(lanes, store, policies, WINDOW_ALONE, capacity=2), pool
 
 
 def _step(sparse: SparseKv, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,7 +78,7 @@ def _step(sparse: SparseKv, generator: torch.Generator) -> tuple[torch.Tensor, t
 
 
 def test_full_lanes_attend_over_every_token_as_dense_attention_does() -> None:
-    sparse, _ = _sparse(Policy.FULL)
+    sparse, _ = _sparse(WINDOW_ALONE.full)
     generator = torch.Generator().manual_seed(0)
     keys, values = [], []
     for _ in range(10):
@@ -95,8 +99,7 @@ def test_full_lanes_attend_over_every_token_as_dense_attention_does() -> None:
 
 def test_a_local_lane_keeps_the_newest_tokens_with_their_kv_and_gives_slots_back() -> None:
     manager = BlockManager(BLOCKS, BLOCK_SIZE)
-    sparse, _ = _sparse(Policy.LOCAL, manager)
-    sparse.settings = FastGenSettings(r_local=0.3, r_frequent=0.0)  # the window alone
+    sparse, _ = _sparse(LOCAL, manager)
     generator = torch.Generator().manual_seed(1)
     keys = []
     for _ in range(20):
@@ -120,7 +123,7 @@ def test_a_local_lane_keeps_the_newest_tokens_with_their_kv_and_gives_slots_back
 
 def test_reserve_takes_nothing_when_the_pool_is_out_of_blocks() -> None:
     manager = BlockManager(1, BLOCK_SIZE)
-    sparse, _ = _sparse(Policy.FULL, manager)
+    sparse, _ = _sparse(WINDOW_ALONE.full, manager)
     sparse.reserve(BLOCK_SIZE)  # one slot per lane: the whole block
     with pytest.raises(OutOfBlocks):
         sparse.reserve(BLOCK_SIZE + 1)

@@ -24,16 +24,36 @@ from shared.fastgen.kept import (
     ratio_budget,
     top_scored,
 )
-from shared.fastgen.policies import CHEAP_POLICIES, FastGenSettings, Policy, TokenClasses, is_punctuation
+from shared.fastgen.policies import FastGenSettings, Rung, TokenClasses, is_punctuation, parse_shares
+
+PAPER = FastGenSettings(wider_local=(), frequent_alone=True)  # the FastGen paper's ladder
+SPECIAL_ONLY, WITH_PUNCT, FREQUENT, LOCAL, FULL = range(5)  # its policy ids
 
 # ---- policies, settings, token classes ------------------------------------------------------------------------------
 
 
-def test_policies_run_cheapest_first_as_cumulative_unions() -> None:
-    assert [p.label for p in Policy] == [
+def test_the_papers_ladder_runs_cheapest_first_as_cumulative_unions() -> None:
+    assert PAPER.labels() == [
         "special", "special+punct", "special+punct+frequent", "special+punct+frequent+local", "full"
     ]
-    assert CHEAP_POLICIES == (Policy.SPECIAL, Policy.PUNCT, Policy.FREQUENT, Policy.LOCAL)
+    assert PAPER.ladder == (Rung(), Rung(True), Rung(True, 0.3), Rung(True, 0.3, 0.3)) and PAPER.full == FULL
+
+
+def test_our_ladder_widens_the_window_and_never_keeps_heavy_hitters_alone() -> None:
+    ours = FastGenSettings()
+    assert ours.labels() == [
+        "special", "special+punct", "special+punct+frequent+local@0.3", "special+punct+frequent+local@0.5",
+        "special+punct+frequent+local@0.7", "full",
+    ]
+    assert ours.full == 5 and ours.ladder[2:] == tuple(Rung(True, 0.3, w) for w in (0.3, 0.5, 0.7))
+    both = FastGenSettings(r_local=0.2, r_frequent=0.1, wider_local=(0.4,), frequent_alone=True)
+    assert both.ladder[2:] == (Rung(True, 0.1), Rung(True, 0.1, 0.2), Rung(True, 0.1, 0.4))
+
+
+def test_shares_parse_from_text() -> None:
+    assert parse_shares("0.5,0.7") == (0.5, 0.7) and parse_shares(" none ") == () and parse_shares("") == ()
+    with pytest.raises(ValueError, match="shares like"):
+        parse_shares("0.5;0.7")
 
 
 @pytest.mark.parametrize(
@@ -41,6 +61,8 @@ def test_policies_run_cheapest_first_as_cumulative_unions() -> None:
     [
         ({"threshold": 0.0}, "threshold"), ({"threshold": 1.01}, "threshold"), ({"r_local": -0.1}, "r_local"),
         ({"r_frequent": 1.5}, "r_frequent"), ({"profile_rows": 0}, "profile_rows"),
+        ({"wider_local": (0.3,)}, "wider_local"), ({"wider_local": (0.7, 0.5)}, "wider_local"),
+        ({"wider_local": (0.5, 1.2)}, "wider_local"), ({"r_local": 0.6}, "above r_local=0.6"),
     ],
 )
 def test_settings_out_of_range_raise(kwargs: dict[str, Any], message: str) -> None:
@@ -49,8 +71,9 @@ def test_settings_out_of_range_raise(kwargs: dict[str, Any], message: str) -> No
 
 
 def test_settings_defaults_and_bounds_are_accepted() -> None:
-    assert FastGenSettings() == FastGenSettings(0.95, 0.3, 0.3, None)
-    FastGenSettings(threshold=1.0, r_local=0.0, r_frequent=1.0, profile_rows=1)
+    assert FastGenSettings() == FastGenSettings(0.95, 0.3, 0.3, None, (0.5, 0.7), False)
+    FastGenSettings(threshold=1.0, r_local=0.0, r_frequent=1.0, profile_rows=1, wider_local=(0.9, 1.0))
+    FastGenSettings(r_local=1.0, wider_local=())
 
 
 @pytest.mark.parametrize(
@@ -119,9 +142,12 @@ SCORES = torch.tensor([0.0, 9.0, 1.0, 8.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0])  # hea
 
 def test_policy_masks_keep_the_classes_the_heavy_hitters_and_the_window() -> None:
     visible = torch.ones(1, 1, 10, dtype=torch.bool)
-    masks = policy_masks(visible, (SPECIAL, PUNCT), SCORES[None, None], torch.tensor([10]), FastGenSettings())
+    masks = policy_masks(visible, (SPECIAL, PUNCT), SCORES[None, None], torch.tensor([10]), PAPER)
     kept = [set(mask[0, 0].nonzero().flatten().tolist()) for mask in masks]
     assert kept == [{0}, {0, 4, 7}, {0, 4, 7, 1, 3, 6}, {0, 4, 7, 1, 3, 6, 8, 9}]  # ceil(0.3 x 10) = 3 each
+    masks = policy_masks(visible, (SPECIAL, PUNCT), SCORES[None, None], torch.tensor([10]), FastGenSettings())
+    kept = [set(mask[0, 0].nonzero().flatten().tolist()) for mask in masks]
+    assert kept == [{0}, {0, 4, 7}, {0, 4, 7, 1, 3, 6, 8, 9}, {0, 4, 7, 1, 3, 6, 5, 8, 9}, set(range(10)) - {2}]
 
 
 def test_policy_masks_stay_within_what_is_visible() -> None:
@@ -133,8 +159,8 @@ def test_policy_masks_stay_within_what_is_visible() -> None:
 
 
 def test_each_head_keeps_what_its_policy_keeps() -> None:
-    policies = torch.tensor([Policy.SPECIAL, Policy.FREQUENT, Policy.FULL])
-    rule = FastGenRule(policies, (SPECIAL, PUNCT), FastGenSettings())
+    policies = torch.tensor([SPECIAL_ONLY, FREQUENT, FULL])
+    rule = FastGenRule(policies, (SPECIAL, PUNCT), PAPER)
     visible = torch.ones(3, 10, dtype=torch.bool)
     visible[2, 2] = False  # FULL keeps what it saw, nothing more
     kept = rule.keep(visible, SCORES.expand(3, 10), 10)
@@ -147,8 +173,8 @@ def test_each_head_keeps_what_its_policy_keeps() -> None:
 
 
 def test_the_local_window_slides_and_evicted_keys_stay_evicted() -> None:
-    rule = FastGenRule(torch.tensor([Policy.LOCAL]), (torch.zeros(30, dtype=torch.bool),) * 2,
-                       FastGenSettings(r_local=0.3, r_frequent=0.0))
+    rule = FastGenRule(torch.tensor([LOCAL]), (torch.zeros(30, dtype=torch.bool),) * 2,
+                       FastGenSettings(r_local=0.3, r_frequent=0.0, wider_local=(), frequent_alone=True))
     kept = rule.keep(torch.ones(1, 20, dtype=torch.bool), torch.zeros(1, 20), 20)
     assert kept[0].nonzero().flatten().tolist() == [14, 15, 16, 17, 18, 19]  # ceil(0.3 x 20)
     for length in range(21, 30):
@@ -161,8 +187,8 @@ def test_the_local_window_slides_and_evicted_keys_stay_evicted() -> None:
 
 
 def test_heavy_hitters_follow_the_scores_among_the_keys_still_held() -> None:
-    rule = FastGenRule(torch.tensor([Policy.FREQUENT]), (torch.zeros(12, dtype=torch.bool),) * 2,
-                       FastGenSettings(r_frequent=0.2))
+    rule = FastGenRule(torch.tensor([FREQUENT]), (torch.zeros(12, dtype=torch.bool),) * 2,
+                       FastGenSettings(r_frequent=0.2, wider_local=(), frequent_alone=True))
     scores = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     kept = rule.keep(torch.ones(1, 10, dtype=torch.bool), scores, 10)
     assert kept[0].nonzero().flatten().tolist() == [0, 1]  # ceil(0.2 x 10) = 2
@@ -220,7 +246,7 @@ def test_decoding_with_the_full_cache_is_plain_attention_and_accumulates_it() ->
 
 
 def test_each_variant_sees_only_what_its_rule_kept() -> None:
-    nothing = FastGenRule(torch.tensor([Policy.SPECIAL]), (torch.zeros(12, dtype=torch.bool),) * 2, FastGenSettings())
+    nothing = FastGenRule(torch.tensor([SPECIAL_ONLY]), (torch.zeros(12, dtype=torch.bool),) * 2, FastGenSettings())
     ctx, _, _ = decode_setup([[KeepAll()], [nothing]])
     assert ctx.kept[0][1].sum() == 0 and ctx.kept[0][0, 0, :8].all()
     g = torch.Generator().manual_seed(2)
@@ -238,6 +264,14 @@ def test_the_settings_read_fastgen_from_the_environment() -> None:
     env = {"TSUKIMI_KV_POLICY": "fastgen", "TSUKIMI_FASTGEN_T": "0.9", "TSUKIMI_FASTGEN_PROFILE_ROWS": "64"}
     engine = load_settings("decode", env).engine
     assert engine.kv_policy == "fastgen" and engine.fastgen.threshold == 0.9 and engine.fastgen.profile_rows == 64
+    assert engine.fastgen.wider_local == (0.5, 0.7) and not engine.fastgen.frequent_alone
+    paper = load_settings("decode", {**env, "TSUKIMI_FASTGEN_WIDER_LOCAL": "none",
+                                     "TSUKIMI_FASTGEN_FREQUENT_ALONE": "on"}).engine.fastgen
+    assert paper.labels() == PAPER.labels()
+    with pytest.raises(ConfigError, match="wider_local must increase"):
+        load_settings("decode", {**env, "TSUKIMI_FASTGEN_WIDER_LOCAL": "0.7,0.5"})
+    with pytest.raises(ConfigError, match="shares like"):
+        load_settings("decode", {**env, "TSUKIMI_FASTGEN_WIDER_LOCAL": "wide"})
     assert load_settings("decode", {}).engine.kv_policy == "full"
     with pytest.raises(ConfigError, match="threshold T must be in"):
         load_settings("decode", {**env, "TSUKIMI_FASTGEN_T": "1.5"})

@@ -4,13 +4,14 @@ nothing, heavy hitters are ranked only by earlier rows; and the prompt pass that
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from shared.fastgen.attention import PrefillAttention, causal_row_probs
-from shared.fastgen.policies import FastGenSettings, Policy
+from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.profile import choose_policies, policy_counts, profile_layer
 from shared.model.llama import DenseCausalAttention
 
@@ -18,6 +19,9 @@ N = 40
 NO_CLASS = torch.zeros(N, dtype=torch.bool)
 FIRST_SPECIAL = torch.zeros(N, dtype=torch.bool)
 FIRST_SPECIAL[0] = True
+
+PAPER = FastGenSettings(wider_local=(), frequent_alone=True)  # the FastGen paper's ladder
+SPECIAL, PUNCT, FREQUENT, LOCAL, FULL = range(5)  # its policy ids
 
 Row = Callable[[int], torch.Tensor]  # position i -> attention over the N keys (zero past i)
 
@@ -51,27 +55,44 @@ def latest_punct(i: int) -> torch.Tensor:
     return onto({punct: 0.97, i: 0.03})
 
 
-def choose(row: Row, special: torch.Tensor = NO_CLASS, punct: torch.Tensor = NO_CLASS, **settings: float) -> Policy:
-    profile = profile_layer(rows(row)[None], (special, punct), 1, FastGenSettings(**settings))  # type: ignore[arg-type]
-    return Policy(int(profile.policies[0]))
+def choose(
+    row: Row, special: torch.Tensor = NO_CLASS, punct: torch.Tensor = NO_CLASS, ladder: FastGenSettings = PAPER,
+    **settings: float,
+) -> int:
+    profile = profile_layer(rows(row)[None], (special, punct), 1, dataclasses.replace(ladder, **settings))
+    return int(profile.policies[0])
 
 
 def test_the_cheapest_policy_that_recovers_enough_is_chosen() -> None:
     punct = NO_CLASS.clone()
     punct[[0, 10, 20, 30]] = True
-    assert choose(sink, special=FIRST_SPECIAL, punct=punct) is Policy.SPECIAL  # every policy would do
-    assert choose(latest_punct, punct=punct) is Policy.PUNCT
-    assert choose(sink) is Policy.FREQUENT  # key 0 is no special token, but every row before gave it attention
-    assert choose(previous) is Policy.LOCAL
-    assert choose(previous, r_local=0.0) is Policy.FULL
-    assert choose(uniform) is Policy.FULL
+    assert choose(sink, special=FIRST_SPECIAL, punct=punct) == SPECIAL  # every policy would do
+    assert choose(latest_punct, punct=punct) == PUNCT
+    assert choose(sink) == FREQUENT  # key 0 is no special token, but every row before gave it attention
+    assert choose(previous) == LOCAL
+    assert choose(previous, r_local=0.0) == FULL
+    assert choose(uniform) == FULL
+
+
+def recent_half(i: int) -> torch.Tensor:
+    return onto({j: 1 / (i - i // 2) for j in range(i // 2, i)}) if i > 1 else onto({i: 1.0})
+
+
+def test_our_ladder_widens_the_window_before_keeping_everything() -> None:
+    ours = FastGenSettings()
+    assert choose(sink, ladder=ours) == 2  # no heavy hitters alone: the first rung with them has the 30% window
+    assert choose(previous, ladder=ours) == 2
+    assert choose(recent_half, ladder=ours) == 3  # the newest half: the 50% window
+    assert choose(recent_half) == FULL  # the paper's ladder has no rung for it
+    assert choose(uniform, ladder=ours) == 4  # the oldest 30% are the heavy hitters, the 70% window the rest
+    assert choose(uniform, ladder=ours, r_frequent=0.1) == ours.full
 
 
 def test_heavy_hitters_are_ranked_by_the_rows_before() -> None:
     """A previous-token head: key i-1 only draws attention from row i itself, so ranking by every row (own and later
     included) would keep it as a heavy hitter and wrongly pass `frequent`; decoding never sees that attention first."""
-    profile = profile_layer(rows(previous)[None], (NO_CLASS, NO_CLASS), 1, FastGenSettings(r_local=0.0))
-    assert profile.lost[Policy.FREQUENT, 0] > 0.9
+    profile = profile_layer(rows(previous)[None], (NO_CLASS, NO_CLASS), 1, PAPER)
+    assert profile.lost[FREQUENT, 0] > 0.9
 
 
 def mixed(i: int) -> torch.Tensor:
@@ -82,21 +103,21 @@ def test_the_threshold_moves_the_choice_and_lost_mass_is_what_the_kept_keys_miss
     # Under `special` row i keeps key 0 and itself: it loses the uniform part on the other i - 1 keys.
     expected = sum(0.1 * max(i - 1, 0) / (i + 1) for i in range(N)) / N
     profile = profile_layer(rows(mixed)[None], (FIRST_SPECIAL, NO_CLASS), 1, FastGenSettings())
-    assert float(profile.lost[Policy.SPECIAL, 0]) == pytest.approx(expected)
+    assert float(profile.lost[SPECIAL, 0]) == pytest.approx(expected)
     assert (profile.lost[:, 0].diff() <= 1e-12).all()  # each policy keeps more, so loses no more
-    assert choose(mixed, special=FIRST_SPECIAL, threshold=1 - expected - 1e-6) is Policy.SPECIAL
-    assert choose(mixed, special=FIRST_SPECIAL, threshold=1 - expected + 1e-6) is not Policy.SPECIAL
-    assert choose(mixed, special=FIRST_SPECIAL, threshold=0.999) is Policy.FULL
+    assert choose(mixed, special=FIRST_SPECIAL, threshold=1 - expected - 1e-6) == SPECIAL
+    assert choose(mixed, special=FIRST_SPECIAL, threshold=1 - expected + 1e-6) != SPECIAL
+    assert choose(mixed, special=FIRST_SPECIAL, threshold=0.999) == FULL
 
 
 def test_a_kv_head_serves_its_worst_query_head() -> None:
     probs = torch.stack([rows(sink), rows(uniform), rows(sink), rows(sink)])  # KV head 0: heads 0, 1; 1: heads 2, 3
-    profile = profile_layer(probs, (FIRST_SPECIAL, NO_CLASS), 2, FastGenSettings())
-    assert [Policy(int(p)) for p in profile.policies] == [Policy.FULL, Policy.SPECIAL]
-    alone = profile_layer(rows(uniform)[None], (FIRST_SPECIAL, NO_CLASS), 1, FastGenSettings())
+    profile = profile_layer(probs, (FIRST_SPECIAL, NO_CLASS), 2, PAPER)
+    assert profile.policies.tolist() == [FULL, SPECIAL]
+    alone = profile_layer(rows(uniform)[None], (FIRST_SPECIAL, NO_CLASS), 1, PAPER)
     torch.testing.assert_close(profile.lost[:, 0], alone.lost[:, 0])  # the max over the group, not the mean
     torch.testing.assert_close(profile.scores, torch.stack([probs[:2].sum(dim=(0, 1)), probs[2:].sum(dim=(0, 1))]))
-    assert policy_counts(profile.policies) == {
+    assert policy_counts(profile.policies, PAPER) == {
         "special": 1, "special+punct": 0, "special+punct+frequent": 0, "special+punct+frequent+local": 0, "full": 1
     }
 
@@ -108,24 +129,24 @@ def test_threshold_one_means_full_even_where_a_cheaper_policy_loses_nothing_on_t
     probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
     punct = torch.rand(N, generator=g) < 0.3
     profile = profile_layer(probs, (FIRST_SPECIAL, punct), 3, FastGenSettings(threshold=1.0))
-    assert (profile.policies == Policy.FULL).all()
+    assert (profile.policies == FastGenSettings().full).all()
     exact = profile_layer(rows(lambda i: onto({0: 1.0}))[None], (FIRST_SPECIAL, NO_CLASS), 1,
                           FastGenSettings(threshold=1.0))
-    assert float(exact.lost[Policy.SPECIAL, 0]) == 0 and Policy(int(exact.policies[0])) is Policy.FULL
+    assert float(exact.lost[SPECIAL, 0]) == 0 and int(exact.policies[0]) == FastGenSettings().full
     cheap = profile_layer(rows(lambda i: onto({0: 1.0}))[None], (FIRST_SPECIAL, NO_CLASS), 1,
                           FastGenSettings(threshold=0.999))
-    assert Policy(int(cheap.policies[0])) is Policy.SPECIAL
+    assert int(cheap.policies[0]) == SPECIAL
 
 
 def test_profiling_the_last_rows_only() -> None:
     def late_sink(i: int) -> torch.Tensor:
         return sink(i) if i >= N - 8 else uniform(i)
 
-    def profile(num_rows: int) -> Policy:
-        result = profile_layer(rows(late_sink, num_rows)[None], (FIRST_SPECIAL, NO_CLASS), 1, FastGenSettings())
-        return Policy(int(result.policies[0]))
+    def profile(num_rows: int) -> int:
+        result = profile_layer(rows(late_sink, num_rows)[None], (FIRST_SPECIAL, NO_CLASS), 1, PAPER)
+        return int(result.policies[0])
 
-    assert profile(8) is Policy.SPECIAL and profile(N) is Policy.FULL
+    assert profile(8) == SPECIAL and profile(N) == FULL
     with pytest.raises(ValueError, match="does not fit"):
         profile_layer(torch.zeros(1, N + 1, N), (NO_CLASS, NO_CLASS), 1, FastGenSettings())
     with pytest.raises(ValueError, match="does not fit"):
@@ -134,9 +155,10 @@ def test_profiling_the_last_rows_only() -> None:
 
 def test_choose_policies_takes_the_first_good_enough() -> None:
     lost = torch.tensor([[0.2, 0.04, 0.3], [0.1, 0.0, 0.3], [0.05, 0.0, 0.3], [0.01, 0.0, 0.06]], dtype=torch.float64)
-    assert choose_policies(lost, 0.95).tolist() == [Policy.FREQUENT, Policy.SPECIAL, Policy.FULL]
-    assert choose_policies(lost, 0.9999).tolist() == [Policy.FULL, Policy.PUNCT, Policy.FULL]
-    assert choose_policies(lost, 1.0).tolist() == [Policy.FULL] * 3
+    assert choose_policies(lost, 0.95).tolist() == [FREQUENT, SPECIAL, FULL]
+    assert choose_policies(lost, 0.9999).tolist() == [FULL, PUNCT, FULL]
+    assert choose_policies(lost, 1.0).tolist() == [FULL] * 3
+    assert choose_policies(lost[:2], 0.95).tolist() == [2, SPECIAL, 2]  # the full cache: one past the rungs given
 
 
 # ---- the prompt pass ------------------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ import torch
 from shared.fastgen.wire import ProfileError, ProfileParts, PromptProfile, profile_parts
 
 LAYERS, HEADS, TOKENS = 4, 3, 500
+POLICIES = 6  # the default ladder's five cheap policies and the full cache
 
 
 def _profile() -> PromptProfile:
     generator = torch.Generator().manual_seed(0)
-    policies = torch.randint(0, 5, (LAYERS, HEADS), generator=generator)
+    policies = torch.randint(0, POLICIES, (LAYERS, HEADS), generator=generator)
+    policies[0, 0] = POLICIES - 1
     return PromptProfile(policies, torch.rand(LAYERS, HEADS, TOKENS, generator=generator) * 40)
 
 
@@ -27,7 +29,7 @@ def test_parts_reassemble_the_profile_in_any_order() -> None:
     for part in reversed(parts):
         received.add(part)
     assert received.num_received("r") == len(parts)
-    back = received.take("r", LAYERS, HEADS, TOKENS)
+    back = received.take("r", LAYERS, HEADS, TOKENS, POLICIES)
     assert torch.equal(back.policies, profile.policies) and torch.equal(back.scores, profile.scores)
     assert received.num_received("r") == 0
 
@@ -41,11 +43,15 @@ def test_bad_parts_are_refused() -> None:
     with pytest.raises(ProfileError, match="disagrees"):
         received.add(dataclasses.replace(parts[1], num_tokens=TOKENS + 1))
     with pytest.raises(ProfileError, match="parts received"):
-        received.take("r", LAYERS, HEADS, TOKENS)
+        received.take("r", LAYERS, HEADS, TOKENS, POLICIES)
     for part in parts:
         received.add(part)
     with pytest.raises(ProfileError, match="is not"):
-        received.take("r", LAYERS, HEADS, TOKENS - 1)
+        received.take("r", LAYERS, HEADS, TOKENS - 1, POLICIES)
+    for part in parts:
+        received.add(part)
+    with pytest.raises(ProfileError, match="bad policy"):  # a prefill on a longer ladder than this decode's
+        received.take("r", LAYERS, HEADS, TOKENS, POLICIES - 1)
     received.add(parts[0])
     received.discard("r")
     assert received.num_received("r") == 0
