@@ -1,7 +1,8 @@
 """The engine with FastGen, on the real model: at T = 1 it answers exactly as the full cache does; below 1 its decode
 is the quality harness's FastGen token for token (lanes against masks), it holds fewer blocks than the full cache and
 gives them all back; under a pool too small for everyone it preempts and still completes, and lanes that outgrow the
-whole pool end their request with "length"; a codec without lane records is refused (kvquant: `test_engine_fastgen_codec`)."""
+whole pool end their request with "length"; a codec without lane records is refused (kvquant:
+`test_engine_fastgen_codec`)."""
 
 from __future__ import annotations
 
