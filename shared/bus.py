@@ -73,13 +73,17 @@ class Bus:
     async def publish(self, subject: str, msg: Message) -> None:
         await self.client.publish(subject, encode(msg))
 
-    async def request(self, subject: str, msg: Message, expected: type[T], timeout_s: float = 2.0) -> T:
-        """Send and wait for the typed reply.
+    async def request(
+        self, subject: str, msg: Message, expected: type[T], timeout_s: float = 2.0,
+        responder_grace_s: float = NO_RESPONDERS_GRACE_S,
+    ) -> T:
+        """Send and wait for the typed reply; while the server says nobody listens, ask again for `responder_grace_s`
+        (0: an absent responder fails at once, for lookups that do without an answer).
 
         Raises:
             BusError: no responder, a timeout, an `Ack` carrying an error, or a reply of another type.
         """
-        reply = await self._request_raw(subject, encode(msg), timeout_s)
+        reply = await self._request_raw(subject, encode(msg), timeout_s, responder_grace_s)
         try:
             answer = decode(reply.data)
         except ProtocolError as exc:
@@ -117,15 +121,15 @@ class Bus:
         await self.client.flush()  # the server knows the subscription before we say we serve
         return sub
 
-    async def _request_raw(self, subject: str, payload: bytes, timeout_s: float) -> Msg:
-        """One request, asked again while the server says nobody listens, for at most `NO_RESPONDERS_GRACE_S`.
+    async def _request_raw(self, subject: str, payload: bytes, timeout_s: float, grace_s: float) -> Msg:
+        """One request, asked again while the server says nobody listens, for at most `grace_s`.
 
         A subscription another connection has just flushed can still be invisible to this connection's publish for a
         moment on a busy server (nats-io/nats-server#2876); a responder that is starting up is not a missing one.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        grace_ends = loop.time() + min(NO_RESPONDERS_GRACE_S, timeout_s)
+        grace_ends = loop.time() + min(grace_s, timeout_s)
         pause_s = 0.01
         while True:
             try:

@@ -254,9 +254,10 @@ class CacheClient:
         return reply.present
 
     async def _ask(self, subject: str, msg: Message, expected: type[T]) -> T | None:
-        """The typed reply, or None (logged) when the store is absent, slow, or answers an error."""
+        """The typed reply, or None (logged) when the store is absent, slow, or answers an error. An absent store is
+        not waited for: a lookup it misses costs only a recomputation, waiting costs every prompt's TTFT."""
         try:
-            return await self.bus.request(subject, msg, expected, self.timeout_s)
+            return await self.bus.request(subject, msg, expected, self.timeout_s, responder_grace_s=0.0)
         except (BusError, nats.errors.Error) as exc:
             log.warning("cache request failed", subject=subject, kind=msg.KIND, error=str(exc))
             return None

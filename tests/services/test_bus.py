@@ -38,11 +38,11 @@ async def test_a_responder_that_subscribes_a_moment_late_still_gets_the_request(
     async def handler(msg: Message) -> Message:
         return BlockHasReply([True for _ in msg.block_hashes])
 
-    async def serve_soon() -> None:
+    async def serve_soon(subject: str) -> None:
         await asyncio.sleep(0.03)
-        await server.serve("t.late", handler)
+        await server.serve(subject, handler)
 
-    late = asyncio.create_task(serve_soon())
+    late = asyncio.create_task(serve_soon("t.late"))
     reply = await client.request("t.late", BlockHas([7]), BlockHasReply)
     await late
     assert reply.present == [True]
@@ -50,6 +50,10 @@ async def test_a_responder_that_subscribes_a_moment_late_still_gets_the_request(
     with pytest.raises(BusError, match="NoRespondersError"):
         await client.request("t.never", BlockHas([7]), BlockHasReply, timeout_s=5.0)
     assert asyncio.get_running_loop().time() - started < 2.0  # nobody listening fails long before the timeout
+    missed = asyncio.create_task(serve_soon("t.late2"))
+    with pytest.raises(BusError, match="NoRespondersError"):  # no grace: not waited for
+        await client.request("t.late2", BlockHas([7]), BlockHasReply, responder_grace_s=0.0)
+    await missed
     await server.drain()
     await client.drain()
 
