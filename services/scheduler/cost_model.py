@@ -17,6 +17,11 @@ import numpy as np
 class LinearCostModel:
     """`seconds = coef . [1, x1, x2]`, least squares over the last `window` samples, coefficients kept >= 0.
 
+    The fit reaches as far beyond the range of x1 and x2 its samples cover as that range spans, by ratio: samples
+    from 256 to 4096 tokens (16x) are trusted from 16 to 65,536; beyond that reach a prediction is the fit at its
+    edge plus the prior's slope for the rest. A slope fitted on a narrow range says little about far values (a fresh
+    decode instance that has seen 33- to 44-token contexts must not predict a 500-token one at 20 times its step).
+
     Args:
         prior: coefficients used until `min_samples` samples arrive.
         window: samples kept for the fit.
@@ -29,6 +34,7 @@ class LinearCostModel:
         self.window, self.min_samples = window, min_samples
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._dirty = False
+        self._low = self._high = np.zeros(2)  # how far (x1, x2) the fit reaches; nowhere while the prior holds
 
     @property
     def num_samples(self) -> int:
@@ -44,7 +50,9 @@ class LinearCostModel:
     def predict(self, x1: float, x2: float) -> float:
         if self._dirty:
             self._refit()
-        return float(self.coef @ np.array([1.0, x1, x2]))
+        x = np.array([x1, x2])
+        inside = np.clip(x, self._low, self._high)
+        return float(self.coef @ np.array([1.0, *inside]) + self.prior[1:] @ (x - inside))
 
     def _refit(self) -> None:
         self._dirty = False
@@ -62,6 +70,15 @@ class LinearCostModel:
             coef = self.prior.copy()
             coef[free] = fitted
             self.coef = coef
+            self._low, self._high = _reach(data[:, :2].min(axis=0), data[:, :2].max(axis=0))
+
+
+def _reach(low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The range [low, high] widened by its own ratio on each side: [low^2 / high, high^2 / low] (from 0 when low is
+    0: then to infinity)."""
+    below = np.divide(low * low, high, out=np.zeros_like(low), where=high > 0)
+    above = np.divide(high * high, low, out=np.full_like(high, np.inf), where=low > 0)
+    return below, above
 
 
 def _nonnegative_least_squares(features: np.ndarray, target: np.ndarray) -> np.ndarray | None:

@@ -1,4 +1,5 @@
-"""The Conductor's cost models recover known coefficients from noisy step timings and never go negative."""
+"""The Conductor's cost models recover known coefficients from noisy step timings, never go negative, and do not
+extrapolate a slope fitted on a narrow range."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ def test_a_feature_that_never_varied_keeps_its_prior() -> None:
     assert model.model.coef[1] == prior_slope > 0
     assert model.predict(1, 1000) == pytest.approx(0.06, rel=0.05)
     assert model.predict(8, 1000) > model.predict(1, 1000)
+
+
+def test_a_slope_fitted_on_a_narrow_range_is_not_extrapolated() -> None:
+    """A fresh decode instance has run a few short chats (contexts 33 to 44 tokens) on a busy machine: noise makes
+    the context slope look steep; a 500-token prompt must not be predicted at many times the observed step."""
+    rng = random.Random(0)
+    model = DecodeCostModel()
+    steps = [(33 + i % 12, 0.05 + 0.002 * (i % 12) + rng.uniform(0, 0.004)) for i in range(20)]  # 2 ms a token
+    for context, seconds in steps:
+        model.add_step(1, context, seconds)
+    observed = model.predict(1, 44)
+    assert model.model.coef[2] > 1e-3 and observed == pytest.approx(0.072, abs=0.006)  # a steep slope, fitted ...
+    reach = 44 * 44 / 33  # ... trusted as far beyond the 33-44 range as it spans (x 4/3), the prior's slope beyond
+    edge, prior_slope = model.predict(1, reach), model.model.prior[2]
+    assert edge == pytest.approx(observed + (reach - 44) * model.model.coef[2])
+    far = model.predict(1, 544)
+    assert far == pytest.approx(edge + (544 - reach) * prior_slope) and far < 0.1  # not 1.1 s
+    assert model.predict(1, 40) < observed  # inside the range the fit holds
+    assert model.predict(1, 10) == pytest.approx(model.predict(1, 33 * 33 / 44) - (33 * 33 / 44 - 10) * prior_slope)
