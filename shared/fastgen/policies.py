@@ -92,7 +92,8 @@ class FastGenSettings:
         widths = (self.r_local, *self.wider_local)
         if any(not a < b for a, b in zip(widths, widths[1:], strict=False)) or widths[-1] > 1:
             raise ValueError(f"wider_local must increase from above r_local={self.r_local} to at most 1, got "
-                             f"{list(self.wider_local)}")
+                             f"{list(self.wider_local)} (--wider-local, TSUKIMI_FASTGEN_WIDER_LOCAL; none for no "
+                             f"wider window)")
 
     @property
     def ladder(self) -> tuple[Rung, ...]:
