@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shared.fastgen.policies import FastGenSettings
+
 WIDTH, HEIGHT, MARGIN = 640, 400, 56
 SERIES = (  # (name, which results, where the figures are, colour)
     ("FastGen, our ladder", "ours", None, "#1f77b4"),
@@ -54,8 +56,9 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> str:
     for kind, results in runs.items():
         for r in results:
             sl, h2o = r["baselines"]["streaming_llm"], r["baselines"]["h2o"]
+            order = _settings(r).labels()
             counts = ", ".join(f"{_short(label)} {n}" for label, n in sorted(r["policy_histogram"].items(),
-                                                                           key=_policy_order))
+                                                                           key=lambda item: order.index(item[0])))
             rows.append(
                 f"| {kind} | {r['threshold']} | {100 * (1 - r['kv_kept_fraction']):.1f}% | "
                 f"{100 * r['rel_ppl_increase']:+.2f}% / {r['kl']:.4f} / {100 * r['top1_agreement']:.1f}% | "
@@ -71,9 +74,10 @@ def _short(label: str) -> str:
             .replace("special+punct", "punct").replace("@", ""))
 
 
-def _policy_order(item: tuple[str, int]) -> tuple[int, str]:
-    label = item[0]
-    return (1 << 8 if label == "full" else label.count("+"), label)
+def _settings(result: dict[str, Any]) -> FastGenSettings:
+    """The ladder a result was measured with."""
+    return FastGenSettings(r_local=result["r_local"], r_frequent=result["r_frequent"],
+                           wider_local=tuple(result["wider_local"]), frequent_alone=result["frequent_alone"])
 
 
 def svg(runs: dict[str, list[dict[str, Any]]]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import string
 import unicodedata
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -95,9 +96,10 @@ class FastGenSettings:
                              f"{list(self.wider_local)} (--wider-local, TSUKIMI_FASTGEN_WIDER_LOCAL; none for no "
                              f"wider window)")
 
-    @property
+    @cached_property
     def ladder(self) -> tuple[Rung, ...]:
-        """The cheap policies, cheapest first; each keeps what the one before keeps and more."""
+        """The cheap policies, cheapest first; each keeps what the one before keeps and more (built once: every
+        decode step's eviction reads it)."""
         rungs = [Rung(), Rung(punct=True)]
         if self.frequent_alone:
             rungs.append(Rung(True, self.r_frequent))

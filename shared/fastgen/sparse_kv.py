@@ -28,7 +28,7 @@ class SparseKv:
         lanes: the slot allocator (over the engine's block manager).
         store: where and how the pool holds entries.
         policies: long [num_layers, num_kv_heads], each lane's policy id (`FastGenSettings`).
-        settings: r_l and r_f.
+        settings: the ladder of policies.
         capacity: entries per lane to make room for at first (grown as needed).
     """
 
