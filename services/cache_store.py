@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import nats.errors
 from nats.aio.subscription import Subscription
@@ -42,7 +41,6 @@ from shared.protocol import (
 )
 
 log = get_logger(__name__)
-T = TypeVar("T", bound=Message)
 
 PENDING_TIMEOUT_S = 30.0  # a put whose parts stop arriving is dropped after this long
 STATS_LOG_S = 30.0  # a "cache stats" log line this often
@@ -101,8 +99,10 @@ class CacheStoreService:
             ConfigError: the SSD folder cannot be used (unwritable, or locked by another cache-store).
         """
         subjects = self.bus.subjects
-        snapshots = _typed(SnapshotRequest, self.handle_snapshot)  # first: a listener that missed seq 0 can resync
-        self._subscriptions.append(await self.bus.serve(subjects.snapshot(self.settings.instance_id), snapshots))
+        me = self.settings.instance_id  # snapshots first: a listener that missed seq 0 can resync
+        snapshots = await self.bus.serve(subjects.snapshot(Role.CACHE_STORE, me), self.handle_snapshot,
+                                         kinds=(SnapshotRequest,))
+        self._subscriptions.append(snapshots)
         try:
             reindexed = await self.store.open()
         except OSError as exc:
@@ -110,13 +110,13 @@ class CacheStoreService:
         self._record("cleared", [])
         self._record("stored", reindexed)
         await self.publish_events()
-        routes: list[tuple[str, Handler]] = [
-            (subjects.cache_put(self.shard), _typed(BlockPut, self.handle_put)),
-            (subjects.cache_get(self.shard), _typed(BlockGet, self.handle_get)),
-            (subjects.cache_has(self.shard), _typed(BlockHas, self.handle_has)),
+        routes: list[tuple[str, Handler, type[Message]]] = [
+            (subjects.cache_put(self.shard), self.handle_put, BlockPut),
+            (subjects.cache_get(self.shard), self.handle_get, BlockGet),
+            (subjects.cache_has(self.shard), self.handle_has, BlockHas),
         ]
-        for subject, handler in routes:
-            self._subscriptions.append(await self.bus.serve(subject, handler))
+        for subject, handler, kind in routes:
+            self._subscriptions.append(await self.bus.serve(subject, handler, kinds=(kind,)))
         self.heartbeat.start()
         self._stats_logger = asyncio.create_task(self._log_stats(), name="cache-stats")
         log.info(
@@ -203,7 +203,7 @@ class CacheStoreService:
 
     async def publish_events(self) -> None:
         """Publish the recorded events in order; a lost one shows as a gap in `seq`, which makes listeners resync."""
-        subject = self.bus.subjects.kv_events(self.settings.instance_id)
+        subject = self.bus.subjects.kv_events(Role.CACHE_STORE, self.settings.instance_id)
         while self._outbox:
             event = self._outbox.popleft()
             try:
@@ -215,7 +215,8 @@ class CacheStoreService:
         """Give the change its seqs now (snapshots stay exact) and publish it soon, in order."""
         chunks = [block_hashes[i : i + MAX_EVENT_HASHES] for i in range(0, len(block_hashes), MAX_EVENT_HASHES)]
         for chunk in chunks or ([[]] if kind == "cleared" else []):
-            self._outbox.append(KvEvent(self.settings.instance_id, self.heartbeat.epoch, self.next_seq, kind, chunk))
+            self._outbox.append(KvEvent(self.settings.instance_id, self.heartbeat.epoch, self.next_seq, kind, chunk,
+                                        Role.CACHE_STORE))
             self.next_seq += 1
         if self._outbox and (self._publisher is None or self._publisher.done()):
             self._publisher = asyncio.get_running_loop().create_task(self.publish_events(), name="kv-events")
@@ -258,17 +259,6 @@ def stats_fields(stats: CacheStats) -> dict[str, int | float]:
         if tier is not None:
             fields.update({f"{name}_{k}": v for k, v in asdict(tier).items()})
     return fields
-
-
-def _typed(kind: type[T], handler: Callable[[T], Awaitable[Message]]) -> Handler:
-    """A bus handler that answers messages of another type with an error `Ack` instead of calling `handler`."""
-
-    async def on_message(msg: Message) -> Message:
-        if not isinstance(msg, kind):
-            return Ack(ok=False, error=f"expected {kind.KIND}, got {msg.KIND}")
-        return await handler(msg)
-
-    return on_message
 
 
 async def build_service(settings: Settings, bus: Bus) -> CacheStoreService:

@@ -86,9 +86,9 @@ class DecodeService:
 
     async def start(self) -> None:
         s, me = self.bus.subjects, self.settings.instance_id
-        await self.bus.serve(s.decode_kv(me), self.handle_message)
-        await self.bus.serve(s.decode_run(me), self.handle_message)
-        await self.bus.serve(s.cancel, self.handle_message)
+        await self.bus.serve(s.decode_kv(me), self.handle_message, kinds=(KvChunk, FastGenProfilePart))
+        await self.bus.serve(s.decode_run(me), self.handle_message, kinds=(DecodeTask, PrefillTask, Cancel))
+        await self.bus.serve(s.cancel, self.handle_message, kinds=(Cancel,))
         self.host.start(self._tick, self._deliver)
         self._deadline_task = asyncio.create_task(self._enforce_deadlines())
         self._heartbeat.start()

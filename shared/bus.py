@@ -7,7 +7,9 @@ Messages and subjects come from `shared.protocol`; this module only moves them.
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -24,6 +26,8 @@ log = get_logger(__name__)
 T = TypeVar("T", bound=Message)
 Handler = Callable[[Any], Awaitable[Message | None]]
 NO_RESPONDERS_GRACE_S = 0.25  # how long a request waits for a responder the server does not see yet
+DROP_LOG_S = 5.0  # refused messages are logged at most this often per subject
+MAX_DROP_SUBJECTS = 4096
 
 
 class BusError(RuntimeError):
@@ -42,6 +46,7 @@ class Bus:
         self.client = client
         self.subjects = subjects
         self._events = events or _ConnectionEvents()
+        self._drops = DropLog()
 
     @classmethod
     async def connect(cls, url: str, name: str, subjects: Subjects, connect_timeout_s: float = 10.0) -> Bus:
@@ -94,20 +99,32 @@ class Bus:
             raise BusError(f"{subject}: expected {expected.KIND}, got {answer.KIND}")
         return answer
 
-    async def serve(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
+    async def serve(
+        self, subject: str, handler: Handler, queue: str = "", kinds: tuple[type[Message], ...] = (),
+        bind_sender: bool = False,
+    ) -> Subscription:
         """Call `handler(message)` for each message on `subject`; a returned message answers a request.
 
-        Undecodable messages are logged and dropped (answered with an error `Ack` when a reply is expected);
+        Args:
+            kinds: the message types this subject carries; any other kind is refused before the handler sees it.
+            bind_sender: the subject ends in `<role>.<instance_id>` (`Subjects.sender_of`) and the message's own
+                `instance_id` (and `role`, where it has one) must be those: NATS permissions bind a role's credentials
+                to its subjects, this binds the message to the subject.
+        Refused messages (undecodable, of another kind, or speaking for another sender) are dropped, answered with
+        an error `Ack` when a reply is expected, and logged at most once per `DROP_LOG_S` per subject with a count;
         a handler that raises is logged, never kills the subscription.
         """
 
         async def on_msg(raw: Msg) -> None:
             try:
                 msg = decode(raw.data)
+                why = self._refusal(raw.subject, msg, kinds, bind_sender)
             except ProtocolError as exc:
-                log.warning("dropped a bad message", subject=raw.subject, error=str(exc))
+                why = str(exc)
+            if why:
+                self._drops.note(raw.subject, why)
                 if raw.reply:
-                    await raw.respond(encode(Ack(ok=False, error=str(exc))))
+                    await self._respond(raw, Ack(ok=False, error=why))
                 return
             try:
                 answer = await handler(msg)
@@ -115,11 +132,30 @@ class Bus:
                 log.exception("handler failed", subject=raw.subject, kind=msg.KIND)
                 answer = Ack(ok=False, error=f"{type(exc).__name__}: {exc}") if raw.reply else None
             if raw.reply and answer is not None:
-                await raw.respond(encode(answer))
+                await self._respond(raw, answer)
 
         sub = await self.client.subscribe(subject, queue=queue, cb=on_msg)
         await self.client.flush()  # the server knows the subscription before we say we serve
         return sub
+
+    def _refusal(self, subject: str, msg: Message, kinds: tuple[type[Message], ...], bind_sender: bool) -> str:
+        """Why `msg` may not be handled as a message on `subject`, or "" when it may."""
+        if kinds and not isinstance(msg, kinds):
+            return f"{msg.KIND} is not a message of this subject (expected {', '.join(k.KIND for k in kinds)})"
+        if not bind_sender:
+            return ""
+        sender = self.subjects.sender_of(subject)
+        claimed = (getattr(msg, "role", None), getattr(msg, "instance_id", None))
+        if sender is None or claimed[1] != sender[1] or claimed[0] not in (None, sender[0]):
+            return f"{msg.KIND} speaks for {claimed[0]}/{claimed[1]}, its subject for {sender}"
+        return ""
+
+    @staticmethod
+    async def _respond(raw: Msg, answer: Message) -> None:
+        try:
+            await raw.respond(encode(answer))
+        except Exception as exc:  # permissions or a closed connection: the requester times out
+            log.warning("answer not sent", subject=raw.subject, error=str(exc))
 
     async def _request_raw(self, subject: str, payload: bytes, timeout_s: float, grace_s: float) -> Msg:
         """One request, asked again while the server says nobody listens, for at most `grace_s`.
@@ -150,6 +186,33 @@ class Bus:
                 await self.client.drain()
             except Exception as exc:  # a dead server must not block shutdown
                 log.warning("drain failed", error=str(exc))
+
+
+class DropLog:
+    """Counts refused messages per subject and logs them at most once per `interval_s` each: a flood of forged or
+    broken messages must not flood the logs too.
+
+    Args:
+        interval_s: the shortest time between two log lines of one subject.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, interval_s: float = DROP_LOG_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self.counts: dict[str, int] = {}  # subject -> refused since start
+        self._logged: dict[str, tuple[float, int]] = {}  # subject -> (when last logged, count then)
+
+    def note(self, subject: str, why: str) -> None:
+        self.counts[subject] = self.counts.get(subject, 0) + 1
+        now = self.clock()
+        last_at, last_count = self._logged.get(subject, (-math.inf, 0))
+        if now - last_at >= self.interval_s:
+            log.warning("refused a message", subject=subject, reason=why,
+                        refused_since_last_line=self.counts[subject] - last_count)
+            self._logged[subject] = (now, self.counts[subject])
+        if len(self._logged) > MAX_DROP_SUBJECTS:  # per-request subjects would grow it forever
+            self._logged.clear()
+            self.counts.clear()
 
 
 class _ConnectionEvents:

@@ -63,7 +63,7 @@ class HeartbeatSender:
         return Heartbeat(self.instance_id, self.role, self.epoch, time.time(), **figures)
 
     async def send_now(self) -> None:
-        await self.bus.publish(self.bus.subjects.heartbeat, self.beat())
+        await self.bus.publish(self.bus.subjects.heartbeat(self.role, self.instance_id), self.beat())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.instance_id}")

@@ -111,7 +111,8 @@ class NatsBackend:
 
     async def start(self) -> None:
         """Start following heartbeats."""
-        self._heartbeats = await self.bus.serve(self.bus.subjects.heartbeat, self._on_heartbeat)
+        self._heartbeats = await self.bus.serve(self.bus.subjects.heartbeat_all, self._on_heartbeat, kinds=(Heartbeat,),
+                                                bind_sender=True)
 
     async def stop(self) -> None:
         if self._heartbeats is not None:

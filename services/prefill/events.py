@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from shared.blocks import REMOVED, STORED
-from shared.protocol import KvEvent, Snapshot
+from shared.protocol import KvEvent, Role, Snapshot
 
 
 class KvEventLog:
@@ -22,10 +22,11 @@ class KvEventLog:
     Args:
         instance_id: whose cache this is.
         epoch: the instance's epoch (the heartbeat's); numbering starts at 0 in it.
+        role: the instance's role, which every event states (its subject names it too).
     """
 
-    def __init__(self, instance_id: str, epoch: int) -> None:
-        self.instance_id, self.epoch = instance_id, epoch
+    def __init__(self, instance_id: str, epoch: int, role: str = Role.PREFILL) -> None:
+        self.instance_id, self.epoch, self.role = instance_id, epoch, str(role)
         self.next_seq = 0
         self._lock = threading.Lock()
         self._pending: list[tuple[str, list[int]]] = []
@@ -61,7 +62,7 @@ class KvEventLog:
                 self._hashes.update(block_hashes)
             elif kind == REMOVED:
                 self._hashes.difference_update(block_hashes)
-            events.append(KvEvent(self.instance_id, self.epoch, self.next_seq, kind, block_hashes))
+            events.append(KvEvent(self.instance_id, self.epoch, self.next_seq, kind, block_hashes, self.role))
             self.next_seq += 1
         self._pending = []
         return events

@@ -103,9 +103,9 @@ class PrefillService:
 
     async def start(self) -> None:
         subjects, me = self.bus.subjects, self.settings.instance_id
-        await self.bus.serve(subjects.prefill_run(me), self.handle_task)
-        await self.bus.serve(subjects.cancel, self.handle_cancel)
-        await self.bus.serve(subjects.snapshot(me), self.handle_snapshot)
+        await self.bus.serve(subjects.prefill_run(me), self.handle_task, kinds=(PrefillTask,))
+        await self.bus.serve(subjects.cancel, self.handle_cancel, kinds=(Cancel,))
+        await self.bus.serve(subjects.snapshot(Role.PREFILL, me), self.handle_snapshot, kinds=(SnapshotRequest,))
         self.host.start(self._tick, self._deliver)
         self._heartbeat.start()
         await self._heartbeat.send_now()
@@ -345,7 +345,7 @@ class PrefillService:
 
     async def _publish_events(self, events: list[KvEvent]) -> None:
         """Publish in order; a lost one shows as a gap in `seq`, which makes listeners ask for a snapshot."""
-        subject = self.bus.subjects.kv_events(self.settings.instance_id)
+        subject = self.bus.subjects.kv_events(Role.PREFILL, self.settings.instance_id)
         for event in events:
             try:
                 await self.bus.publish(subject, event)

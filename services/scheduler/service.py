@@ -17,7 +17,7 @@ from services.scheduler.index import BlockIndex
 from services.scheduler.policies import Placement, Policy, make_policy
 from shared.bus import Bus, BusError
 from shared.config import Settings
-from shared.heartbeat import LiveInstances
+from shared.heartbeat import HeartbeatSender, LiveInstances, Load
 from shared.log import get_logger
 from shared.protocol import (
     SCHEDULER_QUEUE,
@@ -67,6 +67,9 @@ class SchedulerService:
         self.num_rejected: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._monitor: asyncio.Task[None] | None = None
+        # Beats too, so that the gateway's /health can tell a live scheduler from none.
+        self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.SCHEDULER, settings.heartbeat_s,
+                                          lambda: Load(num_running=len(self.tracked)))
         # A scheduler that has just started knows no instance until each has beaten once: it waits that long for
         # them before failing a request for want of one (at start, and after a restart of the scheduler alone).
         self._ready_at = time.monotonic() + 2 * settings.heartbeat_s
@@ -82,15 +85,17 @@ class SchedulerService:
 
     async def start(self) -> None:
         s = self.bus.subjects
-        await self.bus.serve(s.submit, self.handle_submit, queue=SCHEDULER_QUEUE)
-        await self.bus.serve(s.heartbeat, self.handle_heartbeat)
-        await self.bus.serve(s.kv_events_all, self.handle_kv_event)
-        await self.bus.serve(s.cancel, self.handle_cancel)
+        await self.bus.serve(s.submit, self.handle_submit, queue=SCHEDULER_QUEUE, kinds=(SubmitRequest,))
+        await self.bus.serve(s.heartbeat_all, self.handle_heartbeat, kinds=(Heartbeat,), bind_sender=True)
+        await self.bus.serve(s.kv_events_all, self.handle_kv_event, kinds=(KvEvent,), bind_sender=True)
+        await self.bus.serve(s.cancel, self.handle_cancel, kinds=(Cancel,))
         self._monitor = asyncio.create_task(self._watch_instances())
+        self._heartbeat.start()
         log.info("scheduling", policy=self.policy.name, rejection=self.slos.mode,
                  slo_ttft_s=self.slos.ttft_s, slo_tbt_s=self.slos.tbt_s)
 
     async def stop(self) -> None:
+        await self._heartbeat.stop()
         for task in [self._monitor, *self._tasks]:
             if task is not None:
                 task.cancel()
@@ -151,6 +156,8 @@ class SchedulerService:
 
     async def handle_heartbeat(self, msg: Message) -> None:
         assert isinstance(msg, Heartbeat)
+        if msg.role not in (Role.PREFILL, Role.DECODE, Role.CACHE_STORE):
+            return  # schedulers and gateways hold no work or cache to place by
         previous = self.instances.instances.get(msg.instance_id)
         if self.instances.record(msg):
             log.info("instance joined", instance_id=msg.instance_id, role=msg.role, epoch=msg.epoch)
@@ -175,12 +182,14 @@ class SchedulerService:
     async def handle_kv_event(self, msg: Message) -> None:
         assert isinstance(msg, KvEvent)
         if self.index.apply(msg):
-            self._spawn(self._resync(msg.instance_id))
+            self._spawn(self._resync(msg.role, msg.instance_id))
 
-    async def _resync(self, instance_id: str) -> None:
+    async def _resync(self, role: str, instance_id: str) -> None:
         try:
             snapshot = await self.bus.request(
-                self.bus.subjects.snapshot(instance_id), SnapshotRequest(instance_id), Snapshot, timeout_s=5.0)
+                self.bus.subjects.snapshot(role, instance_id), SnapshotRequest(instance_id), Snapshot, timeout_s=5.0)
+            if snapshot.instance_id != instance_id:
+                raise BusError(f"the snapshot of {snapshot.instance_id!r} answered for {instance_id!r}")
         except BusError as exc:
             log.warning("resync failed; forgetting the instance's blocks", instance_id=instance_id, error=str(exc))
             self.index.resync_failed(instance_id)

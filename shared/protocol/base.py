@@ -5,6 +5,7 @@ nothing else in tsukimi calls msgpack. The messages themselves are in `messages.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, ClassVar, TypeVar
 
@@ -88,20 +89,61 @@ def _to_wire(msg: Message) -> dict[str, Any]:
 def _from_wire(cls: type[Message], fields: Any) -> Message:
     if not isinstance(fields, dict):
         raise ProtocolError(f"{cls.KIND}: fields must be a map")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(fields) - names
+    hints = _field_hints(cls)
+    unknown = set(fields) - set(hints)
     if unknown:
-        raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(unknown)}")
-    kwargs = {}
-    for name, value in fields.items():
-        hint = hints[name]
-        if isinstance(hint, type) and issubclass(hint, Message):
-            value = _from_wire(hint, value)
-        kwargs[name] = value
+        raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(map(str, unknown))}")
+    kwargs = {name: _checked(cls, name, value, hints[name]) for name, value in fields.items()}
     try:
         return cls(**kwargs)
     except TypeError as exc:
         raise ProtocolError(f"{cls.KIND}: {exc}") from None
 
 
+_HINTS: dict[str, dict[str, Any]] = {}  # kind -> each field's resolved annotation
+
+
+def _field_hints(cls: type[Message]) -> dict[str, Any]:
+    """Each dataclass field's resolved annotation (resolved once per class: decoding is on every hot path)."""
+    hints = _HINTS.get(cls.KIND)
+    if hints is None:
+        resolved = typing.get_type_hints(cls)
+        hints = _HINTS[cls.KIND] = {f.name: resolved[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return hints
+
+
+def _checked(cls: type[Message], name: str, value: Any, hint: Any) -> Any:
+    """`value` as field `name` of `cls` holds it (an int where a float is declared becomes a float).
+
+    Raises:
+        ProtocolError: the value is not of the declared type (bool is not an int, a list must hold the declared type).
+    """
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return _from_wire(hint, value)
+    if not _fits(value, hint):
+        raise ProtocolError(f"{cls.KIND}: field {name!r} must be {_type_name(hint)}, got {type(value).__name__}")
+    return float(value) if hint is float else value
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            return False
+        if item is int:  # token ids and block hashes: the long lists, checked without a call per element
+            return all(type(v) is int for v in value)
+        return all(_fits(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (float, int)
+    if hint in (int, str, bytes, bool):
+        return type(value) is hint
+    raise TypeError(f"no wire check for the annotation {hint!r}")  # a message declared a type this module lacks
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

@@ -228,7 +228,8 @@ class Cancel(Message):
 @message("heartbeat")
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Every instance -> scheduler (`sched.heartbeat`), every `TSUKIMI_HEARTBEAT_S`: alive, and how loaded.
+    """Every instance -> scheduler and gateway (`sched.heartbeat.<role>.<instance>`), every `TSUKIMI_HEARTBEAT_S`:
+    alive, and how loaded.
 
     `epoch` changes when the instance restarts (its caches are then empty); `request_ids` are the requests it
     holds now, so the scheduler can fail them if the instance dies.
@@ -267,16 +268,19 @@ class Heartbeat(Message):
 @message("kv-event")
 @dataclass(frozen=True)
 class KvEvent(Message):
-    """A cache's change (`kv.events.<instance>`): blocks `stored`, `removed`, or everything `cleared`.
+    """A cache's change (`kv.events.<role>.<instance>`): blocks `stored`, `removed`, or everything `cleared`.
 
     `seq` counts events per (instance, epoch); a gap tells the listener to ask for a snapshot.
     """
+
+    VERSION: ClassVar[int] = 2
 
     instance_id: str
     epoch: int
     seq: int
     kind: str  # "stored", "removed", "cleared"
     block_hashes: list[int] = field(default_factory=list)
+    role: str = ""  # the sender's role, which its subject names too
 
 
 # ---- cache-store --------------------------------------------------------------------------------------------
@@ -285,7 +289,7 @@ class KvEvent(Message):
 @message("snapshot-request")
 @dataclass(frozen=True)
 class SnapshotRequest(Message):
-    """Ask an instance for every block its cache holds (`snapshot.<instance>`, request/reply -> `Snapshot`): the
+    """Ask an instance for every block its cache holds (`snapshot.<role>.<instance>`, request/reply -> `Snapshot`): the
     scheduler's resync after a gap in that instance's KV events or a new epoch."""
 
     instance_id: str

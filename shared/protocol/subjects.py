@@ -1,4 +1,9 @@
-"""Every NATS subject under one configurable prefix, the queue groups, and what a request id may be."""
+"""Every NATS subject under one configurable prefix, the queue groups, and what a request id may be.
+
+Subjects that an instance publishes about itself (heartbeats, KV events, snapshots) end in `<role>.<instance_id>`, so
+that NATS permissions can bind each role's credentials to its own subjects (`shared.nats_auth`) and a listener can
+check that a message speaks for the instance and role its subject names (`Subjects.sender_of`).
+"""
 
 from __future__ import annotations
 
@@ -18,23 +23,26 @@ class Subjects:
     def submit(self) -> str:
         return f"{self.prefix}.sched.submit"
 
+    def heartbeat(self, role: str, instance_id: str) -> str:
+        return f"{self.prefix}.sched.heartbeat.{role}.{instance_id}"
+
     @property
-    def heartbeat(self) -> str:
-        return f"{self.prefix}.sched.heartbeat"
+    def heartbeat_all(self) -> str:
+        return f"{self.prefix}.sched.heartbeat.>"
 
     @property
     def cancel(self) -> str:
         return f"{self.prefix}.cancel"
 
-    def kv_events(self, instance_id: str) -> str:
-        return f"{self.prefix}.kv.events.{instance_id}"
+    def kv_events(self, role: str, instance_id: str) -> str:
+        return f"{self.prefix}.kv.events.{role}.{instance_id}"
 
     @property
     def kv_events_all(self) -> str:
         return f"{self.prefix}.kv.events.>"
 
-    def snapshot(self, instance_id: str) -> str:
-        return f"{self.prefix}.snapshot.{instance_id}"
+    def snapshot(self, role: str, instance_id: str) -> str:
+        return f"{self.prefix}.snapshot.{role}.{instance_id}"
 
     def prefill_run(self, instance_id: str) -> str:
         return f"{self.prefix}.prefill.{instance_id}.run"
@@ -56,6 +64,16 @@ class Subjects:
 
     def cache_has(self, shard: int) -> str:
         return f"{self.prefix}.cache.{shard}.has"
+
+
+    def sender_of(self, subject: str) -> tuple[str, str] | None:
+        """(role, instance_id) named by a heartbeat, KV event or snapshot subject; None for any other subject."""
+        for head in (f"{self.prefix}.sched.heartbeat.", f"{self.prefix}.kv.events.", f"{self.prefix}.snapshot."):
+            if subject.startswith(head):
+                role, _, instance_id = subject[len(head):].partition(".")
+                if role and instance_id and "." not in instance_id:
+                    return role, instance_id
+        return None
 
 
 def is_valid_request_id(request_id: str) -> bool:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from shared.bus import Bus, BusError
-from shared.protocol import Ack, BlockHas, BlockHasReply, Cancel, Message, Subjects
+from shared.bus import Bus, BusError, DropLog
+from shared.protocol import Ack, BlockHas, BlockHasReply, Cancel, Heartbeat, Message, Subjects
 
 
 async def _bus(url: str, name: str) -> Bus:
@@ -99,3 +99,42 @@ async def test_queue_group_delivers_each_message_once(nats_url: str) -> None:
     assert sorted(r for _, r in received) == sorted(f"r{i}" for i in range(40))
     for bus in [*buses, sender]:
         await bus.drain()
+
+
+async def test_a_subject_refuses_other_kinds_and_messages_that_speak_for_another_sender(nats_url: str) -> None:
+    server, client = await _bus(nats_url, "server"), await _bus(nats_url, "client")
+    seen: list[Message] = []
+
+    async def handler(msg: Message) -> Message:
+        seen.append(msg)
+        return Ack()
+
+    await server.serve("t.only-cancels", handler, kinds=(Cancel,))
+    with pytest.raises(BusError, match="block-has is not a message of this subject"):
+        await client.request("t.only-cancels", BlockHas([1]), Ack)
+    assert (await client.request("t.only-cancels", Cancel("r"), Ack)).ok
+    subjects = client.subjects
+    await server.serve(subjects.heartbeat_all, handler, kinds=(Heartbeat,), bind_sender=True)
+    own = Heartbeat("decode-0", "decode", 1, 0.0)
+    assert (await client.request(subjects.heartbeat("decode", "decode-0"), own, Ack)).ok
+    for subject in (subjects.heartbeat("decode", "decode-1"), subjects.heartbeat("prefill", "decode-0")):
+        with pytest.raises(BusError, match="speaks for decode/decode-0"):
+            await client.request(subject, own, Ack)
+    assert seen == [Cancel("r"), own]
+    assert sum(server._drops.counts.values()) == 3
+    await server.drain()
+    await client.drain()
+
+
+def test_refused_messages_are_logged_once_per_interval_with_a_count() -> None:
+    now = [0.0]
+    drops = DropLog(interval_s=5.0, clock=lambda: now[0])
+    lines = []
+    for step in range(100):
+        now[0] = step * 0.1  # 10 s of a flood, 10 a second
+        before = drops._logged.get("t.x")
+        drops.note("t.x", "forged")
+        if drops._logged.get("t.x") != before:
+            lines.append(drops._logged["t.x"])
+    assert [count for _, count in lines] == [1, 51]  # at 0 s and at 5 s, not 100 lines
+    assert drops.counts["t.x"] == 100

@@ -58,8 +58,8 @@ def float_block(num_bytes: int, seed: int) -> bytes:
 
 async def test_multi_part_block_round_trips_and_is_announced(stack: Stack) -> None:
     service = await stack.store()
-    events = await stack.listen(stack.subjects.kv_events("cache-0"))
-    beats = await stack.listen(stack.subjects.heartbeat)
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "cache-0"))
+    beats = await stack.listen(stack.subjects.heartbeat_all)
     client = await stack.client()
     data = float_block(1_500_000, seed=1)
 
@@ -72,7 +72,8 @@ async def test_multi_part_block_round_trips_and_is_announced(stack: Stack) -> No
     assert await client.has_blocks([0xDEADBEEF, 7]) == [True, False]
 
     await until(lambda: len(events) == 1)
-    assert events[0] == KvEvent("cache-0", service.heartbeat.epoch, 1, "stored", [0xDEADBEEF])  # 0: "cleared"
+    stored = KvEvent("cache-0", service.heartbeat.epoch, 1, "stored", [0xDEADBEEF], "cache-store")
+    assert events[0] == stored  # 0: "cleared"
     assert await client.put_block(0xDEADBEEF, data)  # a re-put: acknowledged, nothing new
     assert service.next_seq == 2
     await until(lambda: any(isinstance(b, Heartbeat) and b.kv_blocks_used == 1 for b in beats))
@@ -95,7 +96,7 @@ async def test_miss_and_longest_prefix(stack: Stack) -> None:
 
 async def test_eviction_publishes_removed_and_the_block_then_misses(stack: Stack) -> None:
     service = await stack.store(dram_mb=1)
-    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "cache-0"))
     client = await stack.client()
     blocks = {h: random.Random(h).randbytes(400_000) for h in (1, 2, 3)}  # incompressible: 3 x 400 KB > 1 MiB
     for h, data in blocks.items():
@@ -187,7 +188,7 @@ async def test_handlers_without_nats_expire_unfinished_puts_and_refuse_oversize_
     ack = await service.handle_put(BlockPut(6, 0, 1, "raw", len(big), checksum(big), big))
     assert not ack.ok and "exceeds the capacity" in ack.error
     assert [(s, m.kind, m.seq) for s, m in bus.published if isinstance(m, KvEvent)] == [
-        ("fake.kv.events.c", "stored", 0)
+        ("fake.kv.events.cache-store.c", "stored", 0)
     ]
 
 

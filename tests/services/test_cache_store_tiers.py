@@ -54,12 +54,12 @@ async def put_hot_then_push_out(client: CacheClient, hot: list[int], cold: list[
 
 
 async def snapshot_of(bus: Bus, instance: str) -> Snapshot:
-    return await bus.request(bus.subjects.snapshot(instance), SnapshotRequest(instance), Snapshot)
+    return await bus.request(bus.subjects.snapshot("cache-store", instance), SnapshotRequest(instance), Snapshot)
 
 
 async def test_a_block_evicted_from_dram_lands_on_ssd_and_is_still_served(stack: Stack, tmp_path: Path) -> None:
     service = await ssd_store(stack, tmp_path)
-    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "cache-0"))
     client = await stack.client()
     await put_hot_then_push_out(client, hot=[1], cold=[2, 3, 4])  # 4 evicts 1 (hot: to SSD) and 2 (cold: dropped)
     await service.store.flush()
@@ -77,7 +77,7 @@ async def test_a_block_evicted_from_dram_lands_on_ssd_and_is_still_served(stack:
 
 async def test_a_restarted_store_serves_its_ssd_blocks_in_a_new_epoch(stack: Stack, tmp_path: Path) -> None:
     first = await ssd_store(stack, tmp_path)
-    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "cache-0"))
     client, bus = await stack.client(), await stack.bus()
     await put_hot_then_push_out(client, hot=[1, 2], cold=[3, 4])
     await stack.stop(first)  # finishes the SSD writes; its DRAM (3, 4) is lost
@@ -96,7 +96,7 @@ async def test_a_restarted_store_serves_its_ssd_blocks_in_a_new_epoch(stack: Sta
 
 async def test_a_corrupt_ssd_file_is_a_miss_removed_and_announced(stack: Stack, tmp_path: Path) -> None:
     service = await ssd_store(stack, tmp_path)
-    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "cache-0"))
     client = await stack.client()
     await put_hot_then_push_out(client, hot=[1], cold=[2, 3, 4])
     await service.store.flush()
@@ -113,7 +113,7 @@ async def test_a_corrupt_ssd_file_is_a_miss_removed_and_announced(stack: Stack, 
 
 async def test_snapshot_agrees_with_the_events_before_it(stack: Stack, tmp_path: Path) -> None:
     service = await ssd_store(stack, tmp_path)
-    events = await stack.listen(stack.subjects.kv_events("cache-0"))
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "cache-0"))
     client, bus = await stack.client(), await stack.bus()
     await put_hot_then_push_out(client, hot=[1, 2], cold=[3, 4, 5, 6])
     await service.store.flush()
@@ -158,7 +158,7 @@ async def test_restarting_the_service_process_serves_its_ssd_blocks_again(stack:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
     env.update(TSUKIMI_NATS_URL=stack.nats_url, TSUKIMI_SUBJECT_PREFIX=stack.prefix, TSUKIMI_INSTANCE_ID="proc",
                TSUKIMI_CACHE_SSD_DIR=str(tmp_path), TSUKIMI_CACHE_DRAM_MB="1")
-    events = await stack.listen(stack.subjects.kv_events("proc"))
+    events = await stack.listen(stack.subjects.kv_events("cache-store", "proc"))
     bus, client = await stack.bus(), await stack.client()
     epochs = []
     for run in range(2):

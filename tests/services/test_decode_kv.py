@@ -174,7 +174,7 @@ async def test_a_prompt_sent_to_decode_is_prefilled_there(service: DecodeService
     async def on_beat(msg) -> None:  # noqa: ANN001
         beats.append(decode(msg.data))
 
-    await client.bus.client.subscribe(client.bus.subjects.heartbeat, cb=on_beat)
+    await client.bus.client.subscribe(client.bus.subjects.heartbeat_all, cb=on_beat)
     await client.listen("here")
     task = PrefillTask("here", prompt, [], Sampling(max_tokens=3, temperature=0.0, ignore_eos=True), "d0", 0.0)
     await client.bus.publish(client.bus.subjects.decode_run("d0"), task)

@@ -49,7 +49,7 @@ class Cluster:
 
     async def beat(self) -> None:
         for instance, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-            await self.bus.publish(SUBJECTS.heartbeat, Heartbeat(instance, role, 1, 0.0, num_waiting=2))
+            await self.bus.publish(SUBJECTS.heartbeat(role, instance), Heartbeat(instance, role, 1, 0.0, num_waiting=2))
 
 
 @asynccontextmanager
@@ -104,7 +104,7 @@ async def test_gateway_over_nats_serves_streams_rejects_and_cancels(nats_url: st
         await _eventually(lambda: bool(cluster.cancels) and backend.num_open_streams == 0)
         assert cluster.cancels[0].request_id == dropped.headers["X-Request-Id"]
         left = [sub.subject for sub in backend.bus.client._subs.values()]
-        assert SUBJECTS.heartbeat in left and not [s for s in left if s.startswith(SUBJECTS.stream(""))], left
+        assert SUBJECTS.heartbeat_all in left and not [s for s in left if s.startswith(SUBJECTS.stream(""))], left
 
 
 async def _eventually(condition: Any, timeout_s: float = 5.0) -> None:

@@ -167,7 +167,7 @@ async def world(nats_url: str, checkpoint) -> AsyncIterator[World]:  # noqa: ANN
     store, seen = FakeStore(), Seen()
     await store.serve(bus)
     for subject in (bus.subjects.stream("*"), bus.subjects.decode_kv("d0"), bus.subjects.decode_run("d0"),
-                    bus.subjects.kv_events("p-b")):
+                    bus.subjects.kv_events("prefill", "p-b")):
         await bus.serve(subject, seen.on)
     prompts = {name: checkpoint.tokenizer.encode(text)[: 2 * BLOCK + 5] for name, text in TEXTS.items()}
     assert all(len(p) == 2 * BLOCK + 5 for p in prompts.values())
@@ -245,7 +245,7 @@ async def test_a_block_spoiled_mid_fetch_is_recomputed(world: World, name: str, 
 
 async def test_kv_events_and_the_snapshot_describe_the_local_cache(world: World) -> None:
     service = world.services[1]
-    snapshot = await world.bus.request(world.bus.subjects.snapshot("p-b"), SnapshotRequest("p-b"), Snapshot)
+    snapshot = await world.bus.request(world.bus.subjects.snapshot("prefill", "p-b"), SnapshotRequest("p-b"), Snapshot)
     events = world.seen.kv_events
     await until(lambda: len(events) == snapshot.seq + 1)
     assert [e.seq for e in events] == list(range(len(events))) and snapshot.seq == len(events) - 1

@@ -1,4 +1,5 @@
-"""Every message type survives encode/decode; bad bytes, unknown kinds and newer versions are refused."""
+"""Every message type survives encode/decode; bad bytes, unknown kinds, newer versions and fields of the wrong type
+are refused."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import typing
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared.engine.sampling import SamplingParams
 from shared.protocol import (
@@ -82,7 +85,8 @@ def test_bad_bytes_are_protocol_errors() -> None:
 
 def test_subjects_share_one_prefix() -> None:
     subjects = Subjects("acme")
-    names = [subjects.submit, subjects.heartbeat, subjects.cancel, subjects.kv_events("p1"), subjects.prefill_run("p1"),
+    names = [subjects.submit, subjects.heartbeat("prefill", "p1"), subjects.cancel, subjects.kv_events("prefill", "p1"),
+             subjects.snapshot("prefill", "p1"), subjects.prefill_run("p1"),
              subjects.decode_run("d1"), subjects.decode_kv("d1"), subjects.stream("r1"), subjects.cache_put(0),
              subjects.cache_get(0), subjects.cache_has(0)]
     assert all(n.startswith("acme.") for n in names)
@@ -93,3 +97,60 @@ def test_subjects_share_one_prefix() -> None:
                                                   ("a b", False), ("x" * 129, False), ("é", False)])
 def test_request_ids_are_subject_tokens(request_id: str, ok: bool) -> None:
     assert is_valid_request_id(request_id) is ok
+
+
+@pytest.mark.parametrize(("fields", "complaint"), [
+    ({"request_id": 7}, "'request_id' must be str"),
+    ({"request_id": "r", "reason": ["x"]}, "'reason' must be str"),
+    ({"request_id": None}, "'request_id' must be str"),
+])
+def test_a_field_of_the_wrong_type_is_a_protocol_error(fields: dict[str, object], complaint: str) -> None:
+    with pytest.raises(ProtocolError, match=complaint):
+        decode(msgpack.packb(["cancel", 1, fields]))
+
+
+def test_lists_ints_and_floats_are_checked_to_their_elements() -> None:
+    submit = _example(SubmitRequest)
+    fields = msgpack.unpackb(encode(submit), raw=False)[2]
+    for name, bad in [("prompt_ids", [1, "2"]), ("prompt_ids", [1, True]), ("prompt_ids", "12"),
+                      ("block_hashes", [1.5]), ("arrival_time", "now"), ("ttft_slo_s", [1.0]),
+                      ("sampling", {"max_tokens": "many"})]:
+        with pytest.raises(ProtocolError, match=name if name != "sampling" else "max_tokens"):
+            decode(msgpack.packb(["submit", 1, fields | {name: bad}]))
+    as_ints = decode(msgpack.packb(["submit", 1, fields | {"arrival_time": 5, "ttft_slo_s": None}]))
+    assert as_ints.arrival_time == 5.0 and isinstance(as_ints.arrival_time, float) and as_ints.ttft_slo_s is None
+
+
+def test_a_missing_field_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="request_id"):
+        decode(msgpack.packb(["cancel", 1, {"reason": "x"}]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(message_types()), st.data())
+def test_mutated_messages_decode_or_are_refused_never_crash(cls: type[Message], data: st.DataObject) -> None:
+    """Random bytes flipped, truncated or appended in a real message: decode gives a message of a known kind or a
+    ProtocolError, nothing else."""
+    raw = bytearray(encode(_example(cls)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        action = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+        if action == "flip" and raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        elif action == "cut" and raw:
+            del raw[data.draw(st.integers(0, len(raw) - 1)):]
+        else:
+            raw += data.draw(st.binary(max_size=8))
+    try:
+        msg = decode(bytes(raw))
+    except ProtocolError:
+        return
+    assert isinstance(msg, Message) and type(msg) in message_types()
+
+
+def test_sender_of_reads_role_and_instance_from_self_describing_subjects() -> None:
+    subjects = Subjects("t")
+    assert subjects.sender_of(subjects.heartbeat("decode", "decode-0")) == ("decode", "decode-0")
+    assert subjects.sender_of(subjects.kv_events("cache-store", "c-1")) == ("cache-store", "c-1")
+    assert subjects.sender_of(subjects.snapshot("prefill", "p")) == ("prefill", "p")
+    for other in (subjects.submit, subjects.stream("r"), "t.sched.heartbeat.decode", "t.kv.events.a.b.c"):
+        assert subjects.sender_of(other) is None
