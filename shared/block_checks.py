@@ -29,6 +29,7 @@ class InvariantChecks:
     _free: deque[int]
     _evictable: OrderedDict[int, int]
     _index: dict[int, int]
+    _copies: dict[int, list[int]]
     _seqs: dict[Hashable, _Seq]
     _raw: set[int]
 
@@ -61,6 +62,12 @@ class InvariantChecks:
         _require(num_registered == len(self._index), "a block is registered outside the index")
         num_with_tokens = sum(1 for t in self._block_tokens if t is not None)
         _require(num_with_tokens == num_registered, "stored block tokens out of step with registrations")
+        for block_hash, copies in self._copies.items():
+            holder = self._index.get(block_hash)
+            is_held = bool(copies) and holder is not None and self._ref_counts[holder] > 0
+            _require(is_held, f"copies {copies} of {block_hash:#x} outlive its referenced registration")
+            for block_id in copies:
+                _require(self._block_hash[block_id] is None, f"copy {block_id} of {block_hash:#x} is registered")
 
     def _check_seq(self, seq_id: Hashable, seq: _Seq) -> None:
         size = self._block_size
@@ -73,9 +80,12 @@ class InvariantChecks:
         _require(seq.num_published <= num_full, f"{seq_id!r}: published past the computed blocks")
         _require(seq.is_loading or seq.num_published == num_full, f"{seq_id!r}: computed blocks left unpublished")
         for i, block_id in enumerate(seq.block_ids):
-            if self._block_hash[block_id] is None:
-                continue
             where = f"{seq_id!r} block {i} (id {block_id})"
+            if self._block_hash[block_id] is None:
+                # A published block is registered or a tracked copy (a 64-bit hash collision would fail here too).
+                is_accounted = i >= seq.num_published or block_id in self._copies.get(expected[i], [])
+                _require(is_accounted, f"{where}: published but neither registered nor a copy")
+                continue
             _require(i < seq.num_published, f"{where}: registered but not computed (or still loading)")
             _require(self._block_hash[block_id] == expected[i], f"{where}: hash mismatch")
             tokens = seq.token_ids[i * size : (i + 1) * size]

@@ -74,6 +74,9 @@ class BlockManager(InvariantChecks):
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, int] = OrderedDict()  # block id -> hash, least recently freed first
         self._index: dict[int, int] = {}  # block hash -> block id
+        # block hash -> live sequences' private computed copies of its registered block. One takes the registration
+        # over when that block loses its last reference, so the index keeps every prefix whose KV a sequence holds.
+        self._copies: dict[int, list[int]] = {}
         self._seqs: dict[Hashable, _Seq] = {}
         self._raw: set[int] = set()  # blocks handed out whole by `take_raw`, outside any sequence
         self._num_evictions = 0
@@ -199,8 +202,8 @@ class BlockManager(InvariantChecks):
         """Record that KV is now written for the sequence's first ``num_computed_tokens`` tokens.
 
         Every full block newly inside that range is registered in the prefix index under its chained hash,
-        unless another block already holds that hash (that registration stays; this copy stays private). While the
-        sequence is loading, registration waits for ``finish_loading``.
+        unless another block already holds that hash (that registration stays; this copy stays private, and takes
+        it over if that block loses its last reference first). While loading, registration waits for ``finish_loading``.
 
         Raises:
             KeyError: unknown seq_id.
@@ -258,21 +261,24 @@ class BlockManager(InvariantChecks):
         """Drop the sequence; each of its blocks loses a reference.
 
         A block left with no references joins the evictable LRU if it is registered (last block first, so a
-        prefix's head is evicted after its tail), else goes straight back to the free list.
+        prefix's head is evicted after its tail), else goes straight back to the free list. A registered block
+        that another live sequence holds a computed copy of hands its registration to that copy and is freed.
 
         Raises:
             KeyError: unknown seq_id.
         """
         seq = self._seqs.pop(seq_id)
-        for block_id in reversed(seq.block_ids):
+        for i, block_id in reversed(list(enumerate(seq.block_ids))):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] > 0:
                 continue
             block_hash = self._block_hash[block_id]
-            if block_hash is None:
-                self._free.append(block_id)
-            else:
-                self._evictable[block_id] = block_hash
+            if block_hash is not None:
+                self._release_registered(block_id, block_hash)
+                continue
+            if i < seq.num_published:  # computed, yet unregistered: a copy of a block registered elsewhere
+                self._drop_copy(seq.hashes[i], block_id)
+            self._free.append(block_id)
 
     def take_raw(self, count: int) -> list[int]:
         """Hand out ``count`` blocks that belong to no sequence and are never registered (storage a caller lays out
@@ -330,14 +336,44 @@ class BlockManager(InvariantChecks):
         stored: list[int] = []
         for i in range(seq.num_published, end):
             block_hash, block_id = seq.hashes[i], seq.block_ids[i]
-            if block_hash not in self._index:
+            tokens = seq.token_ids[i * size : (i + 1) * size]
+            holder = self._index.get(block_hash)
+            if holder is None:
                 self._index[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
-                self._block_tokens[block_id] = seq.token_ids[i * size : (i + 1) * size]
+                self._block_tokens[block_id] = tokens
                 stored.append(block_hash)
+            elif self._block_tokens[holder] == tokens:  # else a 64-bit hash collision: this block stays private
+                self._copies.setdefault(block_hash, []).append(block_id)
+                if self._ref_counts[holder] == 0:
+                    del self._evictable[holder]
+                    self._release_registered(holder, block_hash)
         seq.num_published = end
         if stored and self.on_event is not None:
             self.on_event(STORED, stored)
+
+    def _release_registered(self, block_id: int, block_hash: int) -> None:
+        """A registered block lost its last reference: a live copy takes the registration over (the hash stays in
+        the index: no event), else the block joins the LRU."""
+        copies = self._copies.get(block_hash)
+        if not copies:
+            self._evictable[block_id] = block_hash
+            return
+        successor = copies[0]
+        self._drop_copy(block_hash, successor)
+        self._index[block_hash] = successor
+        self._block_hash[successor] = block_hash
+        self._block_tokens[successor] = self._block_tokens[block_id]
+        self._block_hash[block_id] = None
+        self._block_tokens[block_id] = None
+        self._free.append(block_id)
+
+    def _drop_copy(self, block_hash: int, block_id: int) -> None:
+        copies = self._copies.get(block_hash, [])
+        if block_id in copies:  # absent only after a 64-bit hash collision left the block private
+            copies.remove(block_id)
+        if not copies:
+            self._copies.pop(block_hash, None)
 
     def _extend_hashes(self, seq: _Seq, num_full_blocks: int) -> None:
         size = self._block_size

@@ -157,6 +157,30 @@ def test_a_duplicate_block_keeps_the_first_registration() -> None:
     manager.check_invariants()
 
 
+@pytest.mark.parametrize("registrant_frees_first", [False, True])
+def test_a_live_copy_keeps_its_prefix_cached_when_the_registered_block_is_freed(registrant_frees_first: bool) -> None:
+    # Two sequences compute the same block; the one holding the registered copy goes, its block is reused for
+    # another prompt. The survivor still holds that KV, so its prefix must stay findable (and its later blocks).
+    manager = BlockManager(num_blocks=4, block_size=2, namespace=NS)
+    manager.allocate("a", [1, 2, 3])
+    manager.allocate("b", [1, 2, 3])
+    manager.mark_computed("a", 3)  # a registers block [1, 2]; b's copy of it stays private
+    if registrant_frees_first:
+        manager.free("a")
+        manager.mark_computed("b", 3)
+    else:
+        manager.mark_computed("b", 3)
+        manager.free("a")
+    manager.allocate("c", [9, 9, 9])  # takes the rest of the pool: evicts whatever a left cached
+    manager.check_invariants()
+    assert manager.num_reusable_tokens([1, 2, 3]) == 2  # b still holds that KV: the index must still find it
+    manager.append("b", [4])
+    manager.mark_computed("b", 4)  # b's next block registers under a parent the index still holds
+    assert manager.num_reusable_tokens([1, 2, 3, 4, 5]) == 4
+    assert manager.stats.num_cached_blocks == 2
+    manager.check_invariants()
+
+
 def test_misuse_raises() -> None:
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0, block_size=2)

@@ -178,6 +178,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.manager.is_loading(seq_id) == (seq_id in self.loading)
         for seq_id, token_ids in self.tokens.items():
             assert self.manager.num_tokens(seq_id) == len(token_ids)
+        cached = self.cached_kv()
+        size = self.block_size
+        for seq_id, token_ids in self.tokens.items():  # a live sequence's published prefix stays cached, once
+            loading = self.loading.get(seq_id)
+            num_full = loading.start if loading is not None else self.manager.num_computed_tokens(seq_id) // size
+            for end in range(size, num_full * size + 1, size):
+                assert cached.count(tuple(token_ids[:end])) == 1
         for block_id in range(self.num_blocks):
             tokens = registered_tokens(self.manager, block_id)
             if tokens is not None:  # a cached block holds computed KV of a prefix ending in its tokens
