@@ -116,15 +116,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, only: set[str] | None = None) -> StepPlan:
+        """The next step's chunks.
+
+        Args:
+            only: plan none but these request ids (the others wait, holding their blocks): a step that isolates
+                the request that made an earlier step fail (`shared.engine.isolation`).
+        """
         preempted: list[Sequence] = []
         outgrown: list[Sequence] = []
         budget = self.max_num_batched_tokens
         decode: list[ScheduledChunk] = []
         prefill: list[ScheduledChunk] = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted while making room for an earlier one
-                continue
+            if seq not in self.running or (only is not None and seq.request_id not in only):
+                continue  # preempted while making room for an earlier one, or not in this step
             if budget <= 0:
                 break
             if not self._reserve_slots(seq, preempted, outgrown):
@@ -132,13 +138,16 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             budget -= num
             (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted + outgrown:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs and not preempted + outgrown:
+            candidate = next((s for s in self.waiting if only is None or s.request_id in only), None)
+            if candidate is None:
+                break
+            seq = candidate
             try:
                 cached = self.block_manager.allocate(seq.request_id, seq.token_ids)
             except OutOfBlocks:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = self._start_load(seq, cached)
             self.running.append(seq)
@@ -188,6 +197,13 @@ class Scheduler:
             assert self.lanes is not None
             return self.lanes.reserve(seq.request_id)
         return num_missing == 0 or self.block_manager.can_append(seq.request_id, num_missing)
+
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """Drop the KV of these running sequences and queue them, in this order, at the front to be computed again
+        (after a step over them failed: whatever it wrote is not trusted)."""
+        for seq in reversed(seqs):
+            if seq in self.running:
+                self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         _end_load(seq)

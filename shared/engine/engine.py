@@ -10,33 +10,27 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
-
-from shared.blocks import BlockManager, OutOfBlocks, make_namespace
+from shared.blocks import BlockManager, make_namespace
 from shared.engine.batching import Scheduler, StepPlan
-from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
+from shared.engine.isolation import FailureIsolation
 from shared.engine.kv_cache import KVPool, LayerCallback
+from shared.engine.kv_handoff import EngineFull, KvHandoff, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.engine.prompt_kv import check_prompt_kv, write_packed
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.fastgen.engine_kv import FastGenKv
 from shared.fastgen.lane_store import CodedLaneStore, RawLaneStore
 from shared.fastgen.policies import TokenClasses
-from shared.fastgen.wire import PromptProfile
-from shared.kv_wire_packed import PackedFormat, PackedLayerKv, PackedPromptKv
+from shared.log import get_logger
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from shared.payload import Payload
 
+__all__ = ["Completion", "EngineFull", "LLMEngine", "PrefilledRequest", "RequestOutput", "StepStats"]
+log = get_logger(__name__)
 # Called during a step as each layer's K/V lands in the pool, with the sequences whose prompt this step completes.
 LayerHook = Callable[[int, list[Sequence]], None]
-
-
-class EngineFull(Exception):
-    """The running batch or the KV pool has no room for one more sequence now; try again after some finish."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +45,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     kv_bytes_saved: int = 0  # KV bytes FastGen does not hold for this request after this step (0: full cache)
+    error: str = ""  # with finish_reason "error": what the step raised
 
     @property
     def finished(self) -> bool:
@@ -68,20 +63,6 @@ class StepStats:
 
 
 @dataclass(frozen=True)
-class PrefilledRequest:
-    """A request whose prompt KV was computed by another engine (see `LLMEngine.add_prefilled`)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    first_token: int  # sampled by prefill, already streamed with its first `num_emitted_chars` characters
-    num_emitted_chars: int
-    params: SamplingParams
-    kv: torch.Tensor | PackedPromptKv  # raw [num_layers, 2, kv_heads, len(prompt_ids), head_dim], or packed
-    num_cached_tokens: int = 0  # prompt tokens prefill reused, reported in usage
-    fastgen_profile: PromptProfile | None = None  # prefill's FastGen profile (None: keep every token)
-
-
-@dataclass(frozen=True)
 class Completion:
     """A finished request, as `LLMEngine.generate` returns it."""
 
@@ -93,7 +74,7 @@ class Completion:
     num_cached_tokens: int
 
 
-class LLMEngine:
+class LLMEngine(KvHandoff):
     """Continuous-batching generation over a paged KV cache with prefix reuse.
 
     Args:
@@ -121,6 +102,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generate_ids = itertools.count()
         self.last_step: StepStats | None = None  # set by every step that ran a forward pass
+        self.isolation = FailureIsolation()  # a step that raises: which request made it fail
         self.fastgen = self._attach_fastgen(checkpoint) if self.config.kv_policy == "fastgen" else None
 
     def _attach_fastgen(self, checkpoint: Checkpoint) -> FastGenKv:
@@ -162,18 +144,28 @@ class LLMEngine:
                 raise ValueError(f"a prefix source of {num} tokens for a prompt of {len(prompt_ids)}")
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.check_prompt(prompt_ids)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, prefix_source=prefix_source)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Whether this engine can take the prompt at all (services check before any work on it).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or one too long for the model or for the
+                whole KV pool.
+        """
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        self._check_token_ids(prompt_ids)
         limit = self.model_config.max_position
         if len(prompt_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}")
         needed, held = -(-(len(prompt_ids) + 1) // self.config.block_size), self.block_manager.num_blocks
         if needed > held:  # it would wait for room forever, and every request behind it with it
             raise ValueError(f"the prompt needs {needed} KV blocks; this engine's KV pool holds {held}")
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, prefix_source=prefix_source)
-        self.scheduler.add(seq)
-        self._seqs[request_id] = seq
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks; None when it is unknown or already finished."""
@@ -195,7 +187,8 @@ class LLMEngine:
             on_layer: see `LayerHook`; lets prefill stream each layer's KV while the next layer computes. A sequence
                 whose load failed is left out from the first layer that did not arrive.
         """
-        plan = self.scheduler.schedule()
+        only = self.isolation.restriction(set(self._seqs))
+        plan = self.scheduler.schedule(only)
         # The whole pool cannot hold one more token of these: they end as at the context limit.
         outgrown = [self._finish(seq, FinishReason.LENGTH, []) for seq in plan.outgrown]
         if not plan.chunks:
@@ -205,17 +198,44 @@ class LLMEngine:
                   if c.seq.request_id in self.block_manager}  # not those in FastGen's lanes
         loads = [c.seq.prefix_load for c in plan.chunks if c.seq.prefix_load is not None]
         num_new, work = sum(c.num_tokens for c in plan.chunks), sum(c.attention_work for c in plan.chunks)
-        sampled = self.runner.execute(plan, tables, *self._layer_hooks(plan, loads, on_layer))
+        try:
+            sampled = self.runner.execute(plan, tables, *self._layer_hooks(plan, loads, on_layer))
+        except Exception as exc:  # one request's fault must not poison the batch: find it, fail it alone
+            return outgrown + self._step_failed(plan, only, exc)
+        self.isolation.passed(only, {c.seq.request_id for c in plan.chunks})
         restarted = {seq.request_id for seq in self.scheduler.finish_step(plan)}
         waited = sum(load.waited_s for load in loads)
         self.last_step = StepStats(num_new, work, time.perf_counter() - started - waited, waited)
         outputs = outgrown
         for request_id, token in sampled.items():
             if request_id not in restarted:
-                outputs.append(self._accept_token(self._seqs[request_id], token))
+                outputs.append(self._accept_or_fail(self._seqs[request_id], token))
         if self.fastgen is not None:  # the prompts it profiled this step leave their blocks for lanes
             self.fastgen.move_profiled(self._seqs, restarted)
         return outputs
+
+    def _step_failed(self, plan: StepPlan, only: set[str] | None, exc: Exception) -> list[RequestOutput]:
+        """The step raised: fail its request if it ran alone, else recompute its requests in halves (isolation)."""
+        ids = [c.seq.request_id for c in plan.chunks]
+        culprit = self.isolation.failed(only, ids)
+        log.warning("engine step failed", num_requests=len(ids), culprit=culprit, error=repr(exc),
+                    consecutive_failures=self.isolation.num_consecutive_failures)
+        if culprit is not None:
+            return [self._finish(self._seqs[culprit], FinishReason.ERROR, [], f"{type(exc).__name__}: {exc}")]
+        self.scheduler.recompute([c.seq for c in plan.chunks])
+        return []
+
+    def _accept_or_fail(self, seq: Sequence, token: int) -> RequestOutput:
+        try:
+            return self._accept_token(seq, token)
+        except Exception as exc:  # its sampled token or its text: this request's fault alone
+            log.warning("accepting a token failed", request_id=seq.request_id, error=repr(exc))
+            return self._finish(seq, FinishReason.ERROR, [], f"{type(exc).__name__}: {exc}")
+
+    @property
+    def is_broken(self) -> bool:
+        """Steps keep failing whatever runs in them: the engine (its device, say) is at fault; restart it."""
+        return self.isolation.is_broken
 
     @staticmethod
     def _layer_hooks(
@@ -262,91 +282,6 @@ class LLMEngine:
                     )
         return [done[i] for i in ids]
 
-    # ---- disaggregation: KV in and out of this engine -----------------------------------------------------------
-
-    @property
-    def packed_format(self) -> PackedFormat | None:
-        """How this engine's prompt KV travels when it keeps KV through a codec (None: raw tensors)."""
-        pool = self.runner.pool
-        if not isinstance(pool, CodecKvPool):
-            return None
-        return PackedFormat(self.config.kv_format, pool.block_size, pool.block_bytes, pool.sink_bytes, pool.dtype)
-
-    def read_prompt_kv(self, request_id: str, layer_idx: int) -> torch.Tensor | PackedLayerKv:
-        """One layer's K and V of a running request's prompt: [2, kv_heads, num_prompt_tokens, head_dim], or with a
-        codec its full blocks' bytes and its partial last block."""
-        seq, pool = self._seqs[request_id], self.runner.pool
-        block_ids = self.block_manager.block_ids(request_id)
-        if not isinstance(pool, CodecKvPool):
-            return pool.read_tokens(layer_idx, block_ids, seq.num_prompt_tokens)
-        num_full = seq.num_prompt_tokens // pool.block_size
-        blocks = b"".join(pool.read_block_bytes(layer_idx, block_ids[i], i == 0) for i in range(num_full))
-        tail = pool.read_tail(request_id, layer_idx, seq.num_prompt_tokens % pool.block_size)
-        return PackedLayerKv(blocks, tail, seq.num_prompt_tokens)
-
-    def export_block_payloads(self, request_id: str, first_block: int, num_blocks: int) -> list[Payload]:
-        """Full blocks of a running request as the cache-store keeps them (the pool's `block_payload`)."""
-        block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
-        return [self.runner.pool.block_payload(b, first_block + i == 0) for i, b in enumerate(block_ids)]
-
-    def export_blocks(self, request_id: str, first_block: int, num_blocks: int) -> torch.Tensor:
-        """Full blocks of a running request, every layer:
-        [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
-        block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
-        pool = self.runner.pool
-        if not isinstance(pool, KVPool):
-            raise TypeError("export_blocks reads raw tensors; a codec pool exports block payloads")
-        return pool.read_blocks(block_ids)
-
-    def add_prefilled(self, request: PrefilledRequest) -> None:
-        """Continue a request whose prompt was computed elsewhere: its KV goes into the pool and it joins the
-        running batch with its first token (sampled by prefill) waiting for the next step.
-
-        Raises:
-            ValueError: a duplicate id, or KV whose shape does not fit the prompt and this model.
-            EngineFull: the running batch is full or the pool lacks blocks.
-        """
-        prompt = request.prompt_ids
-        if request.request_id in self._seqs:
-            raise ValueError(f"request id {request.request_id!r} is already running")
-        check_prompt_kv(request.kv, len(prompt), self.model_config, self.packed_format)
-        if len(self.scheduler.running) >= self.runner.max_num_seqs:
-            raise EngineFull(f"the running batch holds {self.runner.max_num_seqs} sequences")
-        try:
-            reused = self.block_manager.allocate(request.request_id, prompt)
-        except OutOfBlocks as exc:
-            raise EngineFull(str(exc)) from None
-        block_ids = self.block_manager.block_ids(request.request_id)
-        pool = self.runner.pool
-        if isinstance(request.kv, PackedPromptKv):
-            assert isinstance(pool, CodecKvPool)
-            write_packed(pool, request.request_id, block_ids, request.kv, reused // self.config.block_size)
-        elif isinstance(pool, KVPool):
-            pool.write_tokens(block_ids, request.kv, reused // self.config.block_size)
-        self.block_manager.mark_computed(request.request_id, len(prompt))
-        if self.fastgen is not None:
-            self._adopt_profile(request, block_ids)
-        seq = Sequence(request.request_id, [*prompt, request.first_token], len(prompt), request.params)
-        seq.num_computed_tokens, seq.num_cached_tokens = len(prompt), request.num_cached_tokens
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        seq.text = detokenizer.push(request.first_token)
-        seq.num_emitted_chars, seq.stop_checked_chars = request.num_emitted_chars, len(seq.text)
-        self.scheduler.add_running(seq)
-        self._seqs[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = detokenizer
-
-    def _adopt_profile(self, request: PrefilledRequest, block_ids: list[int]) -> None:
-        """FastGen: a prompt that came with its profile moves to lanes; without one (or without room for the lanes)
-        it keeps every token."""
-        assert self.fastgen is not None
-        profile, request_id = request.fastgen_profile, request.request_id
-        cfg = self.model_config
-        if profile is None or tuple(profile.scores.shape) != (cfg.num_layers, cfg.num_kv_heads,
-                                                              len(request.prompt_ids)):
-            self.fastgen.declined.add(request_id)
-        elif self.fastgen.adopt(request_id, request.prompt_ids, profile, block_ids):
-            self.block_manager.free(request_id)
-
     def _accept_token(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params
         if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
@@ -373,19 +308,21 @@ class LLMEngine:
         seq.text = seq.text[: min(hits)]
         return True
 
-    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int]) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int], error: str = "") -> RequestOutput:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.runner.forget(seq.request_id)
         del self._seqs[seq.request_id], self._detokenizers[seq.request_id]
-        return self._emit(seq, new_tokens, len(seq.text), reason)
+        return self._emit(seq, new_tokens, len(seq.text), reason, error)
 
     @staticmethod
-    def _emit(seq: Sequence, tokens: list[int], upto: int, reason: FinishReason | None) -> RequestOutput:
-        new_text = seq.text[seq.num_emitted_chars : upto]
+    def _emit(
+        seq: Sequence, tokens: list[int], upto: int, reason: FinishReason | None, error: str = ""
+    ) -> RequestOutput:
+        new_text = seq.text[seq.num_emitted_chars : upto] if reason != FinishReason.ERROR else ""
         seq.num_emitted_chars = max(seq.num_emitted_chars, upto)
         return RequestOutput(
             seq.request_id, tokens, new_text, reason, seq.num_prompt_tokens, seq.num_output_tokens,
-            seq.num_cached_tokens, seq.kv_bytes_saved,
+            seq.num_cached_tokens, seq.kv_bytes_saved, error,
         )

@@ -16,6 +16,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # end-of-sequence token or stop string (OpenAI's "stop")
     LENGTH = "length"  # max_tokens or the model's context limit
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # a step over this request raised; it alone ends (see shared.engine.isolation)
 
 
 class SequenceStatus(enum.Enum):
