@@ -27,7 +27,8 @@ import torch
 from nats.aio.msg import Msg
 
 from shared.bus import Bus
-from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvReceiver, chunk_layer_kv, num_kv_chunks
+from shared.kv_receiver import KvReceiver
+from shared.kv_wire import DTYPE_NAMES, KvAssembly, chunk_layer_kv, num_kv_chunks
 from shared.log import configure_logging
 from shared.nats_server import EmbeddedNatsServer
 from shared.payload import checksum

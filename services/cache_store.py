@@ -160,6 +160,10 @@ class CacheStoreService:
         pending block; so is a block too large to store, or one that finds no room.
         """
         self._drop_stale_pending()
+        if msg.replace and msg.part == 0 and self.store.holds(msg.block_hash):
+            if self.store.remove(msg.block_hash):  # a reader refused our copy: the writer's new one replaces it
+                log.info("replacing a block a reader refused", block_hash=msg.block_hash)
+                await self.publish_events()
         if self.store.holds(msg.block_hash):
             if msg.part == 0:
                 self.store.seen.add(msg.block_hash)
@@ -191,7 +195,7 @@ class CacheStoreService:
         if block is None or not 0 <= msg.part < len(block.parts):
             return BlockPart(msg.block_hash, found=False, part=msg.part)
         p = block.parts[msg.part]
-        return BlockPart(msg.block_hash, True, p.part, p.num_parts, p.codec, p.raw_size, p.checksum, p.data)
+        return BlockPart(msg.block_hash, True, p.part, p.num_parts, p.codec, p.raw_size, p.checksum, p.data, p.tag)
 
     async def handle_has(self, msg: BlockHas) -> BlockHasReply:
         """Which of the hashes are committed here, in any tier (pending puts do not count)."""

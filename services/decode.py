@@ -21,15 +21,18 @@ from shared.config import Settings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv_cache import KVPool
 from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import FinishReason
 from shared.fastgen.wire import ProfileError, ProfileParts
 from shared.heartbeat import HeartbeatSender, Load
-from shared.kv_wire import KvReceiver, KvTransferError
+from shared.kv_receiver import KvReceiver
+from shared.kv_wire import KvTransferError
 from shared.kv_wire_packed import PackedPromptKv, assemble_packed
 from shared.log import get_logger
 from shared.protocol import (
     Cancel,
     DecodeTask,
     ErrorType,
+    ExpectHandoff,
     FastGenProfilePart,
     KvChunk,
     Message,
@@ -47,6 +50,12 @@ class _Failure:
 
     request_id: str
     error: str
+    error_type: ErrorType = ErrorType.INVALID
+
+
+def _error_type(exc: Exception) -> ErrorType:
+    """A refused request is the sender's mistake (ValueError: 400), anything else ours (500)."""
+    return ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL
 
 
 @dataclass
@@ -70,7 +79,7 @@ class DecodeService:
     def __init__(self, settings: Settings, bus: Bus, engine: LLMEngine) -> None:
         self.settings, self.bus, self.engine = settings, bus, engine
         self.host: EngineHost[RequestOutput | _Failure] = EngineHost(engine)
-        self.receiver = KvReceiver(settings.kv_deadline_s)
+        self.receiver = KvReceiver(settings.kv_deadline_s, settings.kv_buffer_bytes, settings.request_timeout_s)
         self.profiles = ProfileParts()  # FastGen profiles that follow some prompts' KV
         self._kv_saved_bytes = 0  # what FastGen does not hold now, over the running requests (engine thread's)
         self._waiting: dict[str, _Waiting] = {}  # DecodeTask in, KV not complete yet
@@ -87,8 +96,9 @@ class DecodeService:
     async def start(self) -> None:
         s, me = self.bus.subjects, self.settings.instance_id
         await self.bus.serve(s.decode_kv(me), self.handle_message, kinds=(KvChunk, FastGenProfilePart))
-        await self.bus.serve(s.decode_run(me), self.handle_message, kinds=(DecodeTask, PrefillTask, Cancel))
-        await self.bus.serve(s.cancel, self.handle_message, kinds=(Cancel,))
+        await self.bus.serve(s.decode_run(me), self.handle_message,
+                             kinds=(DecodeTask, PrefillTask, ExpectHandoff, Cancel))
+        await self.bus.serve(s.cancel, self.handle_broadcast_cancel, kinds=(Cancel,))
         self.host.start(self._tick, self._deliver)
         self._deadline_task = asyncio.create_task(self._enforce_deadlines())
         self._heartbeat.start()
@@ -100,6 +110,11 @@ class DecodeService:
             self._deadline_task.cancel()
         await self.host.stop()
 
+    @property
+    def broken(self) -> asyncio.Event:
+        """Set when the engine cannot recover (the process then exits to be restarted)."""
+        return self.host.broken
+
     def load(self) -> Load:
         blocks = self.engine.block_manager
         with self._lock:
@@ -109,7 +124,7 @@ class DecodeService:
         return Load(
             num_running=len(running), num_waiting=len(self._waiting) + len(ready),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
-            request_ids=[*running, *self._waiting, *ready], samples=samples,
+            request_ids=[*running, *self._waiting, *ready, *self.receiver.request_ids()], samples=samples,
             block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
             kv_moved_tokens=self._moved_tokens, kv_saved_bytes=self._kv_saved_bytes,
@@ -125,7 +140,7 @@ class DecodeService:
                 return
             await self._maybe_ready(msg.request_id)
         elif isinstance(msg, FastGenProfilePart):
-            if self.receiver.is_closed(msg.request_id):  # its KV stream failed or was cancelled: nothing to join
+            if msg.request_id not in self.receiver:  # no KV stream (failed, cancelled or never opened): nothing to join
                 return
             try:
                 self.profiles.add(msg)
@@ -137,15 +152,31 @@ class DecodeService:
                 return
             await self._maybe_ready(msg.request_id)
         elif isinstance(msg, DecodeTask):
-            if self.receiver.is_closed(msg.request_id):  # its KV stream failed (already reported) or was cancelled
-                log.info("decode task after its KV stream closed: dropped", request_id=msg.request_id)
-                return
-            self._waiting[msg.request_id] = _Waiting(msg, time.monotonic())
-            await self._maybe_ready(msg.request_id)
+            await self._decode_task(msg)
         elif isinstance(msg, PrefillTask):
             await self._prefill_here(msg)
-        elif isinstance(msg, Cancel):
+        elif isinstance(msg, ExpectHandoff):
+            self.receiver.expect(msg.request_id)
+        elif isinstance(msg, Cancel):  # from the prefill instance (finished or failed there): it told the client
             self._cancel(msg)
+
+    async def handle_broadcast_cancel(self, msg: Message) -> None:
+        """Drop the request wherever it is here, and say so on its stream: whoever cancelled it, its client hears
+        (a gateway that cancelled has stopped listening)."""
+        assert isinstance(msg, Cancel)
+        if self._cancel(msg):
+            await self._fail(msg.request_id, f"the request was cancelled: {msg.reason}", ErrorType.UNAVAILABLE)
+
+    async def _decode_task(self, task: DecodeTask) -> None:
+        request_id = task.request_id
+        if self.receiver.is_closed(request_id):  # its KV stream failed (already reported) or was cancelled
+            log.info("decode task after its KV stream closed: dropped", request_id=request_id)
+            return
+        if request_id not in self.receiver and not self.receiver.is_expected(request_id):
+            await self._fail(request_id, "decode has no KV for this request and was not told to expect it")
+            return
+        self._waiting[request_id] = _Waiting(task, time.monotonic())
+        await self._maybe_ready(request_id)
 
     async def _prefill_here(self, task: PrefillTask) -> None:
         """Conditional disaggregation: the scheduler judged this prompt cheaper to compute here than to move."""
@@ -159,21 +190,28 @@ class DecodeService:
         log.info("prefill on decode", request_id=task.request_id, prompt_tokens=len(task.prompt_ids))
         self.host.wake()
 
-    def _cancel(self, msg: Cancel) -> None:
+    def _cancel(self, msg: Cancel) -> bool:
+        """Drop the request wherever it is here; True when this instance held it."""
         request_id = msg.request_id
+        held = request_id in self.receiver or request_id in self._waiting or self.receiver.is_expected(request_id)
         self.receiver.discard(request_id)
         self.profiles.discard(request_id)
         self._waiting.pop(request_id, None)
         with self._lock:
-            for ready in [r for r in self._ready if r.request_id == request_id]:
-                self._ready.remove(ready)
-            for prompt in [p for p in self._prompts if p[0].request_id == request_id]:
+            ready = [r for r in self._ready if r.request_id == request_id]
+            prompts = [p for p in self._prompts if p[0].request_id == request_id]
+            for entry in ready:
+                self._ready.remove(entry)
+            for prompt in prompts:
                 self._prompts.remove(prompt)
             is_running = request_id in self._running
+        held = held or is_running or bool(ready or prompts)
         if is_running:
             self._aborts.add(request_id)
             self.host.wake()
-        log.info("decode cancelled", request_id=request_id, reason=msg.reason)
+        if held:
+            log.info("decode cancelled", request_id=request_id, reason=msg.reason)
+        return held
 
     async def _maybe_ready(self, request_id: str) -> None:
         waiting = self._waiting.get(request_id)
@@ -238,8 +276,7 @@ class DecodeService:
             self.engine.abort(request_id)
             with self._lock:
                 self._running.discard(request_id)
-        failures = self._admit_prompts()
-        self._admit_ready()
+        failures = self._admit_prompts() + self._admit_ready()
         outputs = self._timed_step() if self.engine.has_unfinished() else []
         fastgen = self.engine.fastgen
         with self._lock:
@@ -267,38 +304,47 @@ class DecodeService:
         for task, params in prompts:
             try:
                 self.engine.add_request(task.request_id, task.prompt_ids, params)
-            except ValueError as exc:
-                failures.append(_Failure(task.request_id, str(exc)))
+            except Exception as exc:  # a bad prompt (ValueError) or worse: this request's alone
+                failures.append(_Failure(task.request_id, str(exc), _error_type(exc)))
                 continue
             with self._lock:
                 self._running.add(task.request_id)
         return failures
 
-    def _admit_ready(self) -> None:
-        """Move assembled requests into the engine while it has room (the rest wait for finished ones)."""
+    def _admit_ready(self) -> list[_Failure]:
+        """Move assembled requests into the engine while it has room (the rest wait for finished ones); those it
+        refuses fail, alone."""
+        failures: list[_Failure] = []
         while True:
             with self._lock:
                 if not self._ready:
-                    return
+                    return failures
                 request = self._ready[0]
+            failure = None
             try:
                 self.engine.add_prefilled(request)
             except EngineFull:
-                return
-            except ValueError as exc:
-                log.warning("rejected prefilled request", request_id=request.request_id, error=str(exc))
-                request = None  # type: ignore[assignment]
+                return failures
+            except Exception as exc:  # KV or a prompt that does not fit (ValueError), or worse: this request's alone
+                failure = _Failure(request.request_id, f"decode refused the request: {exc}", _error_type(exc))
+                failures.append(failure)
             with self._lock:
                 self._ready.popleft()
-                if request is not None:
+                if failure is None:
                     self._running.add(request.request_id)
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
     async def _deliver(self, outputs: list[RequestOutput | _Failure]) -> None:
         for out in outputs:
+            if out.request_id in self._aborts:  # cancelled while this step ran: its client heard already
+                continue
             if isinstance(out, _Failure):
-                await self._fail(out.request_id, out.error, ErrorType.INVALID)
+                await self._fail(out.request_id, out.error, out.error_type)
+                continue
+            if out.finish_reason == FinishReason.ERROR:
+                await self._fail(out.request_id, f"the engine failed on this request: {out.error}",
+                                 ErrorType.INTERNAL)
                 continue
             event = StreamEvent(
                 out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_text,

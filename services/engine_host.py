@@ -17,6 +17,7 @@ from shared.engine.engine import LLMEngine
 from shared.log import get_logger
 
 log = get_logger(__name__)
+MAX_FAILED_TICKS = 5
 R = TypeVar("R")
 Tick = Callable[[], tuple[list[R], bool]]  # engine thread: (results to deliver, whether work remains)
 
@@ -24,14 +25,22 @@ Tick = Callable[[], tuple[list[R], bool]]  # engine thread: (results to deliver,
 class EngineHost(Generic[R]):
     """Owns the engine thread and the step loop.
 
+    A step that raises fails only its request (the engine isolates it); a tick that raises is logged and the loop
+    goes on. When the engine is broken (`LLMEngine.is_broken`) or `max_failed_ticks` ticks fail in a row, the loop
+    stops and sets `broken`: the service then stops, so that its supervisor restarts it and the scheduler fails
+    what it held.
+
     Args:
         engine: the engine; touch it only through `call` or inside the tick.
         idle_poll_s: how often an idle loop ticks anyway (to notice timers such as deadlines).
+        max_failed_ticks: ticks failing in a row after which the engine counts as broken.
     """
 
-    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.2) -> None:
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.2, max_failed_ticks: int = MAX_FAILED_TICKS) -> None:
         self.engine = engine
         self.idle_poll_s = idle_poll_s
+        self.max_failed_ticks = max_failed_ticks
+        self.broken = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -56,15 +65,23 @@ class EngineHost(Generic[R]):
         self._executor.shutdown(wait=True)
 
     async def _run(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+        num_failed = 0
         while True:
             self._wake.clear()
             try:
                 results, busy = await self.call(tick)
+                num_failed = 0
                 if results:
                     await deliver(results)
-            except Exception:  # one bad step must not stop the service; its requests time out or retry
-                log.exception("engine step failed")
+            except Exception:
+                num_failed += 1
+                log.exception("engine tick failed", consecutive_failures=num_failed)
                 busy = False
+            if self.engine.is_broken or num_failed >= self.max_failed_ticks:
+                log.error("the engine cannot recover: stopping so that this instance is restarted",
+                          failed_ticks=num_failed, failed_steps=self.engine.isolation.num_consecutive_failures)
+                self.broken.set()
+                return
             if not busy:
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll_s)

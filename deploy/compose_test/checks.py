@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 import urllib.error
@@ -128,6 +129,17 @@ def check_bad_requests(base: str) -> None:
     print("  bad requests: 400 with an error object (404 for an unknown model)")
 
 
+def nats_refuses_anonymous(port: int) -> None:
+    """The stack's NATS turns away a client without credentials (the protocol by hand: INFO, CONNECT, -ERR)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        info = sock.recv(4096)
+        check(info.startswith(b"INFO ") and b'"auth_required":true' in info, "nats: INFO says auth_required", info)
+        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
+        answer = sock.recv(4096)
+    check(b"Authorization Violation" in answer, "nats: an anonymous CONNECT is refused", answer)
+    print("  nats: anonymous clients refused (Authorization Violation)")
+
+
 def serve(base: str, num_requests: int, id_prefix: str) -> None:
     """`num_requests` chats, one at a time, each must succeed; their X-Request-Ids are `<id_prefix>-<i>`."""
     for i in range(num_requests):
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     wait.add_argument("--decode", type=int, required=True)
     wait.add_argument("--timeout", type=float, required=True, help="seconds")
     commands.add_parser("e2e", help="chat, streaming, cached tokens, bad requests")
+    nats = commands.add_parser("nats-auth", help="NATS refuses a client without credentials")
+    nats.add_argument("--port", type=int, required=True)
     many = commands.add_parser("serve", help="requests that must all succeed")
     many.add_argument("--requests", type=int, default=4)
     many.add_argument("--id-prefix", required=True)
@@ -156,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "wait-health":
             wait_health(base, args.prefill, args.decode, args.timeout)
+        elif args.command == "nats-auth":
+            nats_refuses_anonymous(args.port)
         elif args.command == "e2e":
             for run_check in (check_chat, check_streaming, check_cached_tokens, check_bad_requests):
                 run_check(base)

@@ -134,14 +134,14 @@ build_image() {
     say "image $IMAGE ${new:0:12}, $(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
 }
 
-pick_ports() {  # three free loopback ports, none of the defaults (a developer's NATS or gateway may be running)
-    read -r NATS_PORT MONITOR_PORT GATEWAY_PORT < <("$PYTHON" -c '
+pick_ports() {  # two free loopback ports, none of the defaults (a developer's NATS or gateway may be running)
+    read -r NATS_PORT GATEWAY_PORT < <("$PYTHON" -c '
 import socket
-sockets = [socket.socket() for _ in range(3)]
+sockets = [socket.socket() for _ in range(2)]
 for s in sockets:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in sockets))')
-    say "ports on 127.0.0.1: NATS $NATS_PORT, NATS monitor $MONITOR_PORT, gateway $GATEWAY_PORT"
+    say "ports on 127.0.0.1: NATS $NATS_PORT, gateway $GATEWAY_PORT"
 }
 
 dump_logs() {
@@ -205,10 +205,18 @@ main() {
     build_image
     pick_ports
     "$PYTHON" -m shared compose --host-network --image "$IMAGE" --nats-port "$NATS_PORT" \
-        --nats-monitor-port "$MONITOR_PORT" --port "$GATEWAY_PORT" --output "$WORK/hostnet.yml"
-    COMPOSE=("$CACHE_DIR/venv/bin/podman-compose" -p "$PROJECT" -f docker-compose.yml -f "$WORK/hostnet.yml"
-             -f "$HERE/compose.test.yml")
-    logged 60 config-plain "$CACHE_DIR/venv/bin/podman-compose" -f docker-compose.yml config  # users' file, as is
+        --port "$GATEWAY_PORT" --output "$WORK/hostnet.yml"
+    # The stack's NATS passwords, as a user makes them (never the repository's .env, which is the user's own).
+    "$PYTHON" -m shared secrets --output "$WORK/secrets.env"
+    COMPOSE=("$CACHE_DIR/venv/bin/podman-compose" --env-file "$WORK/secrets.env" -p "$PROJECT" -f docker-compose.yml
+             -f "$WORK/hostnet.yml" -f "$HERE/compose.test.yml")
+    if "$CACHE_DIR/venv/bin/podman-compose" --env-file /dev/null -f docker-compose.yml config >"$WORK/no-env.log" 2>&1
+    then
+        fail "the compose file started without NATS passwords"
+    fi
+    grep -q "run tsukimi secrets" "$WORK/no-env.log" || fail "no hint to make the passwords: $(tail -n 3 "$WORK/no-env.log")"
+    logged 60 config-plain "$CACHE_DIR/venv/bin/podman-compose" --env-file "$WORK/secrets.env" -f docker-compose.yml \
+        config  # users' file, as is
     logged 60 config "${COMPOSE[@]}" config
 
     say "podman-compose up -d: nats, gateway, scheduler, 2 prefill, 2 decode, cache-store-0 (host network)"
@@ -224,8 +232,9 @@ main() {
         say "health check of $container: $(podman inspect --format '{{.State.Health.Status}}' "$container")"
     done
 
-    say "HTTP checks: chat, streaming, cached tokens, bad requests"
+    say "HTTP checks: chat, streaming, cached tokens, bad requests; NATS refuses anonymous clients"
     checks e2e
+    checks nats-auth --port "$NATS_PORT"
 
     local decodes
     mapfile -t decodes < <(containers_of decode)

@@ -1,6 +1,6 @@
-"""A system under measurement: a fresh `tsukimi up` with its own embedded nats-server, a free loopback port and a log
-folder (start, wait for GET /health, stop with SIGINT as Ctrl-C would), and the scheduler's placements read back from
-its log. It sends no workload.
+"""A system under measurement: a fresh `tsukimi up` (with its own nats-server and passwords), a free loopback port and
+a log folder (start, wait for GET /health, stop with SIGINT as Ctrl-C would), and the scheduler's placements read
+back from its log. It sends no workload.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,8 +18,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from shared.nats_server import EmbeddedNatsServer, NatsServerError, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # One torch thread per engine (several engines share the cores) and fast heartbeats; the caller's TSUKIMI_* win.
@@ -57,7 +56,7 @@ class SystemSpec:
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
 
-    def command(self, port: int, nats_url: str, log_dir: Path) -> list[str]:
+    def command(self, port: int, log_dir: Path) -> list[str]:
         """The `tsukimi up` command line for this spec."""
         cmd = [
             sys.executable,
@@ -74,8 +73,6 @@ class SystemSpec:
             "127.0.0.1",
             "--port",
             str(port),
-            "--nats-url",
-            nats_url,
             "--log-dir",
             str(log_dir),
             "--startup-timeout",
@@ -97,44 +94,45 @@ class SystemSpec:
 @dataclass
 class RunningSystem:
     process: subprocess.Popen[bytes]
-    nats: EmbeddedNatsServer
     base_url: str
     log_dir: Path
     up_log: Path  # `tsukimi up`'s own output
 
 
 def start_system(spec: SystemSpec, log_dir: Path, say: Callable[[str], None]) -> RunningSystem:
-    """Start NATS and `python -m shared up` for `spec`, and wait until /health answers 200.
+    """Start `python -m shared up` for `spec`, and wait until /health answers 200.
 
     Raises:
-        StartError: NATS did not start, `tsukimi up` exited, or /health was not 200 in time (all is stopped then).
+        StartError: `tsukimi up` exited, or /health was not 200 in time (all is stopped then).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        nats = EmbeddedNatsServer(log_path=log_dir / "bench-nats.log").start()
-    except NatsServerError as exc:
-        raise StartError(str(exc)) from None
-    port = free_port()
+    port = _free_port()
     # A sim system takes its own defaults (shared.sim.profiles.SIM_ENV_DEFAULTS) where the spec sets nothing.
     defaults = {} if spec.engine == "sim" else {**DEFAULT_ENV, "TSUKIMI_KV_CACHE_MB": str(spec.kv_cache_mb)}
     env = {**defaults, **os.environ, **spec.env}
     up_log = log_dir / "bench-up.log"
     with open(up_log, "wb") as out:
         process = subprocess.Popen(
-            spec.command(port, nats.url, log_dir),
+            spec.command(port, log_dir),
             cwd=REPO_ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    system = RunningSystem(process, nats, f"http://127.0.0.1:{port}", log_dir, up_log)
+    system = RunningSystem(process, f"http://127.0.0.1:{port}", log_dir, up_log)
     try:
         _wait_healthy(system, spec.startup_timeout_s, say)
     except BaseException:
         stop_system(system)
         raise
     return system
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _wait_healthy(system: RunningSystem, timeout_s: float, say: Callable[[str], None]) -> None:
@@ -172,7 +170,7 @@ def _tail(path: Path, num_lines: int = 6) -> str:
 
 
 def stop_system(system: RunningSystem) -> tuple[int | None, float]:
-    """SIGINT to `tsukimi up` (SIGKILL after STOP_WAIT_S), then NATS; returns (exit code or None, seconds)."""
+    """SIGINT to `tsukimi up` (SIGKILL after STOP_WAIT_S; it stops its NATS); returns (exit code or None, seconds)."""
     started = time.monotonic()
     code: int | None = system.process.poll()
     if code is None:
@@ -183,7 +181,6 @@ def stop_system(system: RunningSystem) -> tuple[int | None, float]:
             system.process.kill()
             system.process.wait()
             code = None
-    system.nats.stop()
     return code, time.monotonic() - started
 
 

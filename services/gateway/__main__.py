@@ -11,13 +11,14 @@ import sys
 from aiohttp import web
 
 from services.gateway.app import Gateway, GatewayConfig
-from services.gateway.backend import ROLES_FOR_HEALTH, NatsBackend
+from services.gateway.backend import COLOCATED_ROLES_FOR_HEALTH, ROLES_FOR_HEALTH, NatsBackend
+from services.gateway.http_server import make_runner
 from services.gateway.prompt import ModelInfo
-from shared.bus import Bus, BusError, wait_for_signal
+from shared.api_keys import load_api_keys
+from shared.bus import BusError, connect_service, wait_for_signal
 from shared.config import ConfigError, Settings, load_settings
-from shared.log import configure_logging, get_logger
+from shared.log import configure_logging, get_logger, redact_url
 from shared.model.checkpoint import load_checkpoint
-from shared.protocol import Role, Subjects
 from shared.sim.engine import sim_checkpoint, sim_model_name
 from shared.sim.profiles import get_profile
 
@@ -44,18 +45,23 @@ def model_info(settings: Settings) -> ModelInfo:
 async def serve(settings: Settings) -> None:
     """Connect, serve HTTP on settings.host:settings.port, wait for SIGTERM/SIGINT, shut down and drain."""
     stop = wait_for_signal()
+    api_keys = load_api_keys(settings.api_keys_file) if settings.api_keys_file else None  # fail before loading
     model = await asyncio.to_thread(model_info, settings)
-    bus = await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix))
+    bus = await connect_service(settings)
     backend = NatsBackend(bus, settings.instance_timeout_s)
     await backend.start()
-    health_roles = (Role.DECODE.value,) if settings.deployment == "colocated" else ROLES_FOR_HEALTH
-    config = GatewayConfig(settings.engine.block_size, settings.request_timeout_s, settings.max_body_bytes,
-                           health_roles)
-    runner = web.AppRunner(Gateway(model, backend, config).build_app(), handler_cancellation=True, access_log=None)
+    health_roles = COLOCATED_ROLES_FOR_HEALTH if settings.deployment == "colocated" else ROLES_FOR_HEALTH
+    config = GatewayConfig(
+        settings.engine.block_size, settings.request_timeout_s, settings.max_body_bytes, health_roles,
+        progress_timeout_s=settings.progress_timeout_s, http_read_timeout_s=settings.http_read_timeout_s,
+        api_keys=api_keys,
+    )
+    runner = make_runner(Gateway(model, backend, config).build_app(), settings.http_read_timeout_s)
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port).start()
-    log.info("started", host=settings.host, port=settings.port, nats=settings.nats_url, model=model.name,
-             simulated=model.is_simulated, deployment=settings.deployment)
+    log.info("started", host=settings.host, port=settings.port, nats=redact_url(settings.nats_url), model=model.name,
+             simulated=model.is_simulated, deployment=settings.deployment,
+             num_api_keys=len(api_keys.keys) if api_keys else None)
     await stop.wait()
     log.info("stopping")
     await runner.cleanup()

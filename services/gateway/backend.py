@@ -15,7 +15,9 @@ from shared.log import get_logger
 from shared.protocol import Cancel, Heartbeat, Message, Role, StreamEvent, SubmitReply, SubmitRequest
 
 log = get_logger(__name__)
-ROLES_FOR_HEALTH = (Role.PREFILL.value, Role.DECODE.value)  # /health needs one live instance of each
+# /health needs one live instance of each (a colocated deployment: no prefill)
+ROLES_FOR_HEALTH = (Role.SCHEDULER.value, Role.PREFILL.value, Role.DECODE.value)
+COLOCATED_ROLES_FOR_HEALTH = (Role.SCHEDULER.value, Role.DECODE.value)
 
 
 class BackendUnavailable(Exception):

@@ -24,7 +24,7 @@ class ApiError(Exception):
         type: the OpenAI error type (`invalid_request_error`, `rate_limit_error`, ...).
         param: the offending request field, when there is one.
         code: a machine-readable code (`model_not_found`, `context_length_exceeded`, ...).
-        headers: extra response headers (`Retry-After` on 429).
+        headers: extra response headers (`Retry-After` on 429 and 503, `WWW-Authenticate` on 401).
     """
 
     status: int
@@ -47,8 +47,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 _BY_STATUS: dict[int, tuple[str, str]] = {
     400: (INVALID_REQUEST, "invalid_request"),
+    401: (INVALID_REQUEST, "invalid_api_key"),
     404: (INVALID_REQUEST, "not_found"),
     405: (INVALID_REQUEST, "method_not_allowed"),
+    408: (INVALID_REQUEST, "request_timeout"),
     413: (INVALID_REQUEST, "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", "internal"),
@@ -58,10 +60,15 @@ _BY_STATUS: dict[int, tuple[str, str]] = {
 }
 
 
-def for_status(status: int, message: str) -> ApiError:
-    """An error of `status` with that status's usual type and code (used for aiohttp's own HTTP errors)."""
+def for_status(status: int, message: str, retry_after_s: float = 1.0) -> ApiError:
+    """An error of `status` with that status's usual type and code (used for aiohttp's own HTTP errors); a 429 or
+    503 says when to retry (`Retry-After`: whole seconds, at least 1, at most an hour)."""
     error_type, code = _BY_STATUS.get(status, (INVALID_REQUEST if status < 500 else "server_error", None))
-    return ApiError(status, message, error_type, None, code)
+    error = ApiError(status, message, error_type, None, code)
+    if status in (429, 503):
+        seconds = min(retry_after_s, 3600.0) if math.isfinite(retry_after_s) else 1.0
+        error.headers["Retry-After"] = str(max(1, math.ceil(seconds)))
+    return error
 
 
 _STATUS_OF_ERROR_TYPE = {
@@ -76,21 +83,27 @@ _STATUS_OF_ERROR_TYPE = {
 def from_error_type(error_type: str, message: str, retry_after_s: float = 0.0) -> ApiError:
     """The API error for a failure the scheduler or an instance reported (an `ErrorType` value).
 
-    Unknown types count as internal errors. A rejection carries `Retry-After` (whole seconds, at least 1).
+    Unknown types count as internal errors. A rejection or an unavailable cluster carries `Retry-After`.
     """
     try:
         status = _STATUS_OF_ERROR_TYPE[ErrorType(error_type)]
     except ValueError:
         status = 500
-    error = for_status(status, message or f"request failed: {error_type or 'unknown error'}")
-    if status == 429:
-        seconds = min(retry_after_s, 3600.0) if math.isfinite(retry_after_s) else 1.0
-        error.headers["Retry-After"] = str(max(1, math.ceil(seconds)))
-    return error
+    return for_status(status, message or f"request failed: {error_type or 'unknown error'}", retry_after_s)
 
 
 def unavailable(message: str) -> ApiError:
     return for_status(503, message)
+
+
+def unauthorized(message: str) -> ApiError:
+    error = for_status(401, message)
+    error.headers["WWW-Authenticate"] = 'Bearer realm="tsukimi"'
+    return error
+
+
+def rate_limited(message: str, retry_after_s: float) -> ApiError:
+    return for_status(429, message, retry_after_s)
 
 
 def timed_out(timeout_s: float) -> ApiError:

@@ -1,7 +1,9 @@
 """Parse and validate OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) into typed requests.
 
-Types are checked strictly (a bool is not an int); unknown fields are ignored, as OpenAI clients send many.
-Sampling ranges are checked by `SamplingParams` later (prompt.py), not here; tokenization is not done here.
+Types are checked strictly (a bool is not an int); unknown fields are ignored, as OpenAI clients send many, but an
+OpenAI field this server cannot honour (tools, response formats, penalties, logprobs, ...) is refused (400) unless it
+asks for nothing. `temperature` and `top_p` are held to OpenAI's ranges; the other sampling ranges are checked by
+`SamplingParams` later (prompt.py). Reading the body is json_body.py's job; tokenization is not done here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from services.gateway.errors import bad_request
 MAX_STOP_STRINGS = 4
 _INT64 = 1 << 63
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Fields we cannot honour -> the values that ask for nothing we lack (null always does). vLLM's extensions too.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "logit_bias": ({},), "top_logprobs": (0,),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "use_beam_search": (False,),
+}
+_CHAT_NEUTRAL = {**_NEUTRAL, "logprobs": (False,)}
+_COMPLETION_NEUTRAL = {**_NEUTRAL, "logprobs": (), "echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
 @dataclass(frozen=True)
@@ -53,29 +65,21 @@ class CompletionRequest:
     options: GenerationOptions
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object. Raises ApiError (400) for malformed JSON or another JSON value."""
-    try:
-        value = json.loads(body)
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(value).__name__}")
-    return value
-
-
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a chat completions body. Raises ApiError (400) naming the offending field."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
-    return ChatRequest([_parse_message(m, i) for i, m in enumerate(messages)], parse_options(body))
+    parsed = [_parse_message(m, i) for i, m in enumerate(messages)]
+    options = parse_options(body)
+    _reject_unsupported(body, _CHAT_NEUTRAL)
+    return ChatRequest(parsed, options)
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     """Validate a completions body. Raises ApiError (400) naming the offending field."""
     options = parse_options(body)
-    _reject_unsupported(body, {"echo": False, "best_of": 1, "suffix": None})
+    _reject_unsupported(body, _COMPLETION_NEUTRAL)
     return CompletionRequest(_parse_prompt(body.get("prompt")), options)
 
 
@@ -87,7 +91,6 @@ def parse_options(body: dict[str, Any]) -> GenerationOptions:
     n = _int(body, "n", 1, _INT64 - 1)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
-    _reject_unsupported(body, {"logprobs": None, "top_logprobs": None})
     max_tokens = _int(body, "max_completion_tokens", 1, _INT64 - 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, _INT64 - 1)
@@ -96,8 +99,8 @@ def parse_options(body: dict[str, Any]) -> GenerationOptions:
     return GenerationOptions(
         model=model,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
+        temperature=_number_in(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number_in(body, "top_p", 1.0, 0.0, 1.0, open_below=True),
         top_k=0 if top_k is None or top_k == -1 else top_k,  # -1 disables top-k, as in vLLM
         seed=_int(body, "seed", -_INT64, (1 << 64) - 1),
         stop=_parse_stop(body.get("stop")),
@@ -110,12 +113,15 @@ def parse_options(body: dict[str, Any]) -> GenerationOptions:
     )
 
 
+MIN_SLO_MS = 1.0  # an SLO tighter than a millisecond is no SLO a step can meet (and 5e-324 ms is 0 s)
+
+
 def _positive_or_none(body: dict[str, Any], name: str) -> float | None:
     if body.get(name) is None:
         return None
     value = _number(body, name, 0.0)
-    if value <= 0:
-        raise bad_request(f"'{name}' must be a positive number of milliseconds, got {value}", name)
+    if not value >= MIN_SLO_MS:
+        raise bad_request(f"'{name}' must be at least {MIN_SLO_MS:g} ms, got {value}", name)
     return value
 
 
@@ -186,12 +192,32 @@ def _parse_stream_options(options: Any, stream: bool) -> bool:
     return _bool(options, "include_usage", "stream_options.include_usage") or False
 
 
-def _reject_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Fields we cannot honour: accepted only when absent, null, false, zero, empty or their default."""
-    for name, default in defaults.items():
+def _reject_unsupported(body: dict[str, Any], neutral: dict[str, tuple[Any, ...]]) -> None:
+    """Fields we cannot honour: accepted only when absent, null or one of their neutral values (of the same type:
+    `false` is not 0)."""
+    for name, accepted in neutral.items():
         value = body.get(name)
-        if value and value != default:
-            raise bad_request(f"'{name}' is not supported", name)
+        if value is None or any(_same(value, a) for a in accepted):
+            continue
+        allowed = " or ".join([*(json.dumps(a) for a in accepted), "null"])
+        raise bad_request(f"'{name}' is not supported by this server (only {allowed})", name)
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    if _is_number(value) and _is_number(neutral):
+        return bool(value == neutral)
+    return type(value) is type(neutral) and bool(value == neutral)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: scalars as JSON (shortened), containers by kind (they may nest deep)."""
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "a list"
+    return json.dumps(value)[:40]
 
 
 def _is_int(value: Any) -> bool:
@@ -203,7 +229,7 @@ def _int(body: dict[str, Any], name: str, minimum: int, maximum: int) -> int | N
     if value is None:
         return None
     if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {json.dumps(value)[:40]}", name)
+        raise bad_request(f"'{name}' must be an integer, got {_show(value)}", name)
     if not minimum <= value <= maximum:
         raise bad_request(f"'{name}' must be in [{minimum}, {maximum}], got {value}", name)
     return int(value)
@@ -218,12 +244,22 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     except OverflowError:  # an integer too large for a float
         number = math.inf
     if not math.isfinite(number):
-        raise bad_request(f"'{name}' must be a finite number, got {json.dumps(value)[:40]}", name)
+        raise bad_request(f"'{name}' must be a finite number, got {_show(value)}", name)
+    return number
+
+
+def _number_in(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, open_below: bool = False
+) -> float:
+    number = _number(body, name, default)
+    if number > high or number < low or (open_below and number == low):
+        interval = f"({low:g}, {high:g}]" if open_below else f"[{low:g}, {high:g}]"
+        raise bad_request(f"'{name}' must be in {interval}, got {number:g}", name)
     return number
 
 
 def _bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {json.dumps(value)[:40]}", param or name)
+        raise bad_request(f"'{name}' must be true or false, got {_show(value)}", param or name)
     return value

@@ -80,8 +80,13 @@ def usage_chunk(meta: ResponseMeta, usage_: dict[str, Any]) -> dict[str, Any]:
     return {**_head(meta, chunk=True), "choices": [], "usage": usage_}
 
 
+def model_card(model: str, created: int) -> dict[str, Any]:
+    """OpenAI's `Model`."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "tsukimi"}
+
+
 def model_list(model: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "tsukimi"}]}
+    return {"object": "list", "data": [model_card(model, created)]}
 
 
 def sse(payload: dict[str, Any]) -> bytes:

@@ -13,11 +13,22 @@ from types import TracebackType
 from services.gateway.backend import Backend, BackendUnavailable, EventStream
 from services.gateway.errors import for_status, from_error_type, timed_out, unavailable
 from services.gateway.metrics import RequestTimer
+from services.gateway.progress import ProgressWatch, Verdict
 from shared.log import get_logger
 from shared.protocol import ErrorType, StreamEvent, SubmitRequest
 
 log = get_logger(__name__)
 MAX_BUFFERED_EVENTS = 4096  # out-of-order events held back; more means a publisher is broken
+MIN_WAIT_S = 0.01  # a wait of 0 would not even look at events already queued
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a request may go quiet (progress.py): `progress_timeout_s` while no instance holds it (503),
+    `request_timeout_s` in any case (504)."""
+
+    request_timeout_s: float = 300.0
+    progress_timeout_s: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -66,15 +77,17 @@ class Session:
     Args:
         backend: the cluster.
         request: what to submit.
-        timeout_s: the longest silence on the stream before giving up (504).
+        deadlines: how long the stream may go quiet: lost (503) or silent (504).
         timer: records TTFT, inter-token and end-to-end latency.
     Raises (on entry):
         ApiError: rejected (429 + Retry-After), no scheduler or no instance (503), or another reported failure.
     """
 
-    def __init__(self, backend: Backend, request: SubmitRequest, timeout_s: float, timer: RequestTimer) -> None:
-        self.backend, self.request, self.timeout_s, self.timer = backend, request, timeout_s, timer
+    def __init__(self, backend: Backend, request: SubmitRequest, deadlines: Deadlines, timer: RequestTimer) -> None:
+        self.backend, self.request, self.deadlines, self.timer = backend, request, deadlines, timer
         self.request_id = request.request_id
+        self.watch: ProgressWatch | None = None
+        self.is_accepted = False
         self.reorderer = Reorderer()
         self.stream: EventStream | None = None
         self.ready: list[StreamEvent] = []
@@ -106,6 +119,8 @@ class Session:
             self.timer.metrics.rejections.inc(reason=reply.reason_code or reply.error_type or "unknown")
             error_type = reply.error_type or ErrorType.UNAVAILABLE
             raise from_error_type(error_type, reply.reason, reply.retry_after_s)
+        self.is_accepted = True
+        self.watch = ProgressWatch(self.deadlines.progress_timeout_s, self.deadlines.request_timeout_s)
         log.info("accepted", request_id=self.request_id, prefill=reply.prefill_id, decode=reply.decode_id)
 
     async def __aexit__(
@@ -125,7 +140,8 @@ class Session:
         """The next piece of the answer, in order; the last one has `finish_reason` set.
 
         Raises:
-            ApiError: a failure event (status by its `ErrorType`), an aborted request (503), or silence (504).
+            ApiError: a failure event (status by its `ErrorType`), an aborted or lost request (503), or silence
+                (504).
         """
         while True:
             while not self.ready:
@@ -136,13 +152,30 @@ class Session:
                 return delta
 
     async def _next_in_order(self) -> list[StreamEvent]:
-        assert self.stream is not None, "use Session inside `async with`"
-        event = await self.stream.next_event(self.timeout_s)
-        if event is None:
-            log.warning("stream went silent", request_id=self.request_id, timeout_s=self.timeout_s)
-            self.cancel_reason = "timeout"
-            raise timed_out(self.timeout_s)
-        return self.reorderer.push(event)
+        assert self.stream is not None and self.watch is not None, "use Session inside `async with`"
+        while True:
+            event = await self.stream.next_event(max(MIN_WAIT_S, self.watch.wait_s()))
+            if event is not None:
+                self.watch.saw_event()
+                return self.reorderer.push(event)
+            if self._is_held():
+                self.watch.saw_held()
+            verdict = self.watch.verdict()
+            if verdict is Verdict.LOST:
+                timeout_s = self.deadlines.progress_timeout_s
+                log.warning("request lost: no event and no instance holds it", request_id=self.request_id,
+                            timeout_s=timeout_s)
+                self.cancel_reason = "lost"
+                raise unavailable(f"the request was lost: no progress for {timeout_s:g} s and no instance holds it")
+            if verdict is Verdict.SILENT:
+                timeout_s = self.deadlines.request_timeout_s
+                log.warning("stream went silent", request_id=self.request_id, timeout_s=timeout_s)
+                self.cancel_reason = "timeout"
+                raise timed_out(timeout_s)
+
+    def _is_held(self) -> bool:
+        """Does a live instance's latest heartbeat list the request (queued, computing, waiting or running)?"""
+        return any(self.request_id in beat.request_ids for beat in self.backend.instances())
 
     def _apply(self, event: StreamEvent) -> Delta | None:
         if event.error_type:

@@ -6,13 +6,21 @@ from services.engine_host import load_engine
 from services.prefill.service import PrefillService
 from shared.bus import Bus, run_service
 from shared.cache.client import CacheClient
+from shared.cache.integrity import BlockSigner
 from shared.config import Settings
+from shared.log import get_logger
 from shared.protocol import Role
+
+log = get_logger("services.prefill")
 
 
 async def build(settings: Settings, bus: Bus) -> PrefillService:
     engine = await load_engine(settings)
-    return PrefillService(settings, bus, engine, CacheClient(bus, settings.cache_shards))
+    if not settings.cache_block_key:
+        log.warning("TSUKIMI_CACHE_BLOCK_KEY is not set: the cache-store's KV blocks are not signed, so a block put "
+                    "under another block's hash would be used (see `tsukimi secrets`)")
+    signer = BlockSigner(settings.cache_block_key or None)
+    return PrefillService(settings, bus, engine, CacheClient(bus, settings.cache_shards, signer=signer))
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixSource
 from shared.engine.sampling import SamplingParams
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import FinishReason, Sequence
 from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.heartbeat import HeartbeatSender, Load
 from shared.kv_wire import chunk_layer_kv, num_kv_chunks
@@ -110,6 +110,11 @@ class PrefillService:
         self._heartbeat.start()
         await self._heartbeat.send_now()
 
+    @property
+    def broken(self) -> asyncio.Event:
+        """Set when the engine cannot recover (the process then exits to be restarted)."""
+        return self.host.broken
+
     async def stop(self) -> None:
         await self._heartbeat.stop()
         if self.loader is not None:
@@ -136,6 +141,7 @@ class PrefillService:
         assert isinstance(msg, PrefillTask)
         try:
             params = msg.sampling.to_params()
+            self.engine.check_prompt(msg.prompt_ids)  # before any work: its ids hash, load and compute
         except ValueError as exc:
             await self._fail(msg.request_id, ErrorType.INVALID, str(exc))
             return
@@ -157,6 +163,8 @@ class PrefillService:
             self._aborts.add(msg.request_id)
             self.host.wake()
             log.info("prefill cancelled", request_id=msg.request_id, reason=msg.reason)
+            # whoever cancelled it, its client hears (a gateway that cancelled has stopped listening)
+            await self._fail(msg.request_id, ErrorType.UNAVAILABLE, f"the request was cancelled: {msg.reason}")
 
     async def handle_snapshot(self, msg: Message) -> Snapshot:
         """Every hash in the local prefix cache, as of the last KV event (those numbered on the way go out first)."""
@@ -294,10 +302,13 @@ class PrefillService:
             held = self._held.pop(out.request_id, None)
             if held is None or held.cancelled:
                 continue
+            if out.finish_reason == FinishReason.ERROR:
+                await self._fail_handed(held, ErrorType.INTERNAL, f"the engine failed on this request: {out.error}")
+                continue
             try:
                 await asyncio.gather(*held.sends)
             except Exception as exc:
-                await self._fail(out.request_id, ErrorType.KV_TRANSFER, f"sending KV failed: {exc}")
+                await self._fail_handed(held, ErrorType.KV_TRANSFER, f"sending KV failed: {exc}")
                 continue
             await self._hand_off(held, out)
             if new_blocks is not None:
@@ -351,6 +362,12 @@ class PrefillService:
                 await self.bus.publish(subject, event)
             except Exception as exc:
                 log.warning("kv event lost", seq=event.seq, kind=event.kind, error=str(exc))
+
+    async def _fail_handed(self, held: _Held, error_type: ErrorType, error: str) -> None:
+        """Fail a request whose KV may have started towards decode: decode drops what it got."""
+        await self._fail(held.task.request_id, error_type, error)
+        cancel = Cancel(held.task.request_id, f"failed at prefill: {error}")
+        await self.bus.publish(self.bus.subjects.decode_run(held.task.decode_id), cancel)
 
     async def _fail(self, request_id: str, error_type: ErrorType, error: str) -> None:
         log.warning("prefill failed", request_id=request_id, error_type=error_type, error=error)

@@ -23,6 +23,7 @@ from shared.protocol import (
     SCHEDULER_QUEUE,
     Cancel,
     ErrorType,
+    ExpectHandoff,
     Heartbeat,
     KvEvent,
     Message,
@@ -148,6 +149,9 @@ class SchedulerService:
             msg.request_id, option.instance_id, placement.decode_id, len(msg.prompt_ids), option.compute_s, now,
             decode_start, decode_start + msg.sampling.max_tokens * placement.tbt_s,
         )
+        if not placement.on_decode:  # decode may then buffer this request's KV beyond its share for strangers
+            expect = ExpectHandoff(msg.request_id, option.instance_id, len(msg.prompt_ids))
+            await self.bus.publish(subjects.decode_run(placement.decode_id), expect)
         await self.bus.publish(subject, task)
         log.info("placed", request_id=msg.request_id, policy=self.policy.name, prefill=option.instance_id,
                  decode=placement.decode_id, on_decode=placement.on_decode, prompt_tokens=len(msg.prompt_ids),

@@ -12,12 +12,13 @@ from shared.payload import CODEC_SIZE_ONLY, checksum
 from shared.protocol import BlockPut
 
 MAGIC = b"TKVB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added each part's tag (shared.cache.integrity); re-indexing drops files of version 1
 MAX_PARTS = 1 << 16
 # magic, version, reserved (0), block hash, number of parts, xxh3-64 of the header (this field zeroed) and part table
 HEAD = struct.Struct("<4sHHQIQ")
-# one per part: codec (UTF-8, NUL-padded), raw size, data length, xxh3-64 of the data (the wire checksum)
-PART = struct.Struct("<16sQQQ")
+# one per part: codec (UTF-8, NUL-padded), raw size, data length, xxh3-64 of the data (the wire checksum), tag length,
+# tag (NUL-padded)
+PART = struct.Struct("<16sQQQB16s")
 
 
 class BlockFileError(ValueError):
@@ -30,6 +31,7 @@ class PartEntry:
     raw_size: int
     data_len: int
     checksum: int
+    tag: bytes
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ def encode_header(block_hash: int, block: StoredBlock) -> bytes:
         codec = part.codec.encode()
         if len(codec) > 16:
             raise ValueError(f"codec name {part.codec!r} is longer than 16 bytes")
-        entries.append(PART.pack(codec, part.raw_size, len(part.data), part.checksum))
+        if len(part.tag) > 16:
+            raise ValueError(f"a tag of {len(part.tag)} bytes")
+        entries.append(PART.pack(codec, part.raw_size, len(part.data), part.checksum, len(part.tag), part.tag))
     table = b"".join(entries)
     unsigned = HEAD.pack(MAGIC, FORMAT_VERSION, 0, block_hash, len(block.parts), 0)
     return HEAD.pack(MAGIC, FORMAT_VERSION, 0, block_hash, len(block.parts), checksum(unsigned + table)) + table
@@ -108,12 +112,14 @@ def parse_header(data: bytes) -> BlockFileHeader:
         raise BlockFileError("header checksum mismatch")
     parts = []
     for i in range(num_parts):
-        codec, raw_size, data_len, part_checksum = PART.unpack_from(data, HEAD.size + i * PART.size)
+        codec, raw_size, data_len, part_checksum, tag_len, tag = PART.unpack_from(data, HEAD.size + i * PART.size)
         try:
             name = codec.rstrip(b"\0").decode()
         except UnicodeDecodeError:
             raise BlockFileError(f"part {i} has an undecodable codec name") from None
-        parts.append(PartEntry(name, raw_size, data_len, part_checksum))
+        if tag_len > len(tag):
+            raise BlockFileError(f"part {i} has a tag of {tag_len} bytes")
+        parts.append(PartEntry(name, raw_size, data_len, part_checksum, tag[:tag_len]))
     return BlockFileHeader(block_hash, tuple(parts))
 
 
@@ -134,7 +140,6 @@ def parse_block_file(data: bytes, block_hash: int) -> StoredBlock:
         offset += entry.data_len
         if checksum(payload) != entry.checksum:
             raise BlockFileError(f"checksum mismatch in part {index}")
-        parts.append(
-            BlockPut(block_hash, index, len(header.parts), entry.codec, entry.raw_size, entry.checksum, payload)
-        )
+        parts.append(BlockPut(block_hash, index, len(header.parts), entry.codec, entry.raw_size, entry.checksum,
+                              payload, entry.tag))
     return StoredBlock(tuple(parts))

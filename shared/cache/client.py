@@ -1,6 +1,7 @@
 """The cache-store client: put, get and probe KV blocks on the shard that owns each hash (and its replica shard), in
-verified parts. It never raises for a dead, absent or misbehaving store: that is a miss (or a failed put), logged. It
-does not know what the bytes mean; the caller encodes KV into them.
+verified parts, each tagged with the deployment's block key (`integrity`) and refused when its tag does not verify.
+It never raises for a dead, absent or misbehaving store: that is a miss (or a failed put), logged. It does not know
+what the bytes mean; the caller encodes KV into them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TypeVar
 import nats.errors
 
 from shared.bus import Bus, BusError
+from shared.cache.integrity import BlockSigner
 from shared.log import get_logger
 from shared.payload import Payload, PayloadError, checksum, compress, decompress, join, split
 from shared.protocol import Ack, BlockGet, BlockHas, BlockHasReply, BlockPart, BlockPut, Message
@@ -26,20 +28,26 @@ _ENVELOPE_BYTES = 4096  # room for the msgpack envelope and NATS headers around 
 SHUFFLE_ITEMSIZE = 4
 HOT_GETS = 4  # a block this client fetched this often from its owner shard is copied to the replica shard
 _HOT_ENTRIES = 4096  # hashes whose get counts are remembered
+_REFUSED_ENTRIES = 4096  # hashes whose stored copy failed its check, to be replaced by the next put
 
 
 def _itemsize(raw_size: int) -> int:
     return SHUFFLE_ITEMSIZE if raw_size % SHUFFLE_ITEMSIZE == 0 else 1
 
 
-def split_block(block_hash: int, data: Payload, part_bytes: int) -> list[BlockPut]:
-    """The block as `BlockPut` parts, each carrying at most `part_bytes` of data (at least one part); a size-only
-    block becomes size-only parts."""
+def split_block(
+    block_hash: int, data: Payload, part_bytes: int, signer: BlockSigner | None = None, replace: bool = False
+) -> list[BlockPut]:
+    """The block as `BlockPut` parts, each carrying at most `part_bytes` of data (at least one part) and its tag; a
+    size-only block becomes size-only parts. `replace` asks the store to put these over the copy it holds."""
+    signer = signer or BlockSigner(None)
     chunks = split(data, part_bytes)
     parts = []
     for index, raw in enumerate(chunks):
         codec, payload = compress(raw, _itemsize(len(raw)))
-        parts.append(BlockPut(block_hash, index, len(chunks), codec, len(raw), checksum(payload), payload))
+        tag = signer.tag(block_hash, index, len(chunks), codec, len(raw), payload)
+        parts.append(BlockPut(block_hash, index, len(chunks), codec, len(raw), checksum(payload), payload, tag,
+                              replace and index == 0))
     return parts
 
 
@@ -60,17 +68,21 @@ class CacheClient:
         part_bytes: the most data bytes per message (also capped below the server's max payload).
         timeout_s: how long one request waits before the store counts as absent.
         hot_gets: owner fetches after which a block is copied to its replica (0: never).
+        signer: tags what this client puts and checks what it gets (default: no key, nothing checked).
     Raises:
         ValueError: `num_shards` or `part_bytes` below 1.
     """
 
     def __init__(
-        self, bus: Bus, num_shards: int, part_bytes: int = 256 << 10, timeout_s: float = 2.0, hot_gets: int = HOT_GETS
+        self, bus: Bus, num_shards: int, part_bytes: int = 256 << 10, timeout_s: float = 2.0, hot_gets: int = HOT_GETS,
+        signer: BlockSigner | None = None,
     ) -> None:
         if num_shards < 1 or part_bytes < 1:
             raise ValueError(f"num_shards and part_bytes must be at least 1, got {num_shards}, {part_bytes}")
         self.bus, self.num_shards, self.part_bytes, self.timeout_s = bus, num_shards, part_bytes, timeout_s
         self.hot_gets = hot_gets
+        self.signer = signer or BlockSigner(None)
+        self._refused: OrderedDict[int, None] = OrderedDict()  # stored copies that failed their check
         self._owner_gets: OrderedDict[int, int] = OrderedDict()  # hash -> fetches from its owner; -1: replicated
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -90,7 +102,9 @@ class CacheClient:
         A shard that already holds the block acknowledges at once. Failures are logged. Where a unit of `align_bytes`
         fits in a part, parts hold whole units (whole layers of KV, say, so that a reader can use each part at once).
         """
-        parts = split_block(block_hash, data, self._part_bytes(align_bytes))
+        replace = block_hash in self._refused
+        self._refused.pop(block_hash, None)
+        parts = split_block(block_hash, data, self._part_bytes(align_bytes), self.signer, replace)
         stored = await asyncio.gather(*(self._put_on(shard, parts) for shard in self.shards_of(block_hash, replicas)))
         return any(stored)
 
@@ -168,7 +182,11 @@ class CacheClient:
 
     async def _put_on(self, shard: int, parts: list[BlockPut]) -> bool:
         subject = self.bus.subjects.cache_put(shard)
-        acks = await asyncio.gather(*(self._ask(subject, part, Ack) for part in parts))
+        first = []
+        if parts[0].replace:  # the store drops its copy on part 0: the others must not reach it before
+            first = [await self._ask(subject, parts[0], Ack)]
+            parts = parts[1:]
+        acks = [*first, *await asyncio.gather(*(self._ask(subject, part, Ack) for part in parts))]
         return all(ack is not None for ack in acks)
 
     async def _get_from(self, shard: int, block_hash: int) -> Payload | None:
@@ -204,7 +222,7 @@ class CacheClient:
         replica = self.replica_of(block_hash)
         if (await self._has_on(replica, [block_hash]))[0]:
             return
-        if await self._put_on(replica, split_block(block_hash, data, self._part_bytes())):
+        if await self._put_on(replica, split_block(block_hash, data, self._part_bytes(), self.signer)):
             log.info("copied a hot block to its replica shard", block_hash=block_hash, shard=replica)
 
     async def _get_part(self, shard: int, block_hash: int, part: int) -> BlockPart | None:
@@ -223,14 +241,24 @@ class CacheClient:
             why = f"part {part.part}/{part.num_parts} of {part.block_hash:#x} answered for {index}/{num_parts}"
         elif checksum(part.data) != part.checksum:
             why = "checksum mismatch"
+        elif not self.signer.verifies(part):
+            why = "tag mismatch: not put with this deployment's block key, or relabelled"
         if why or part is None:
             log.warning("cache get refused a block", block_hash=block_hash, part=index, reason=why)
+            if part is not None and part.block_hash == block_hash:
+                self._refuse(block_hash)
             return None
         try:
             return decompress(part.codec, part.data, part.raw_size, _itemsize(part.raw_size))
         except PayloadError as exc:
             log.warning("cache get refused a block", block_hash=block_hash, part=index, reason=str(exc))
             return None
+
+    def _refuse(self, block_hash: int) -> None:
+        """Remember that the stored copy is bad: the next put of this block replaces it."""
+        self._refused[block_hash] = None
+        if len(self._refused) > _REFUSED_ENTRIES:
+            self._refused.popitem(last=False)
 
     async def _has_where(self, shard_of: dict[int, int]) -> dict[int, bool]:
         """Ask each shard about the hashes mapped to it, in parallel."""

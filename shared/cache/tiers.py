@@ -163,6 +163,19 @@ class TieredStore:
             self.on_change("stored", [block_hash])
             return
 
+    def remove(self, block_hash: int) -> bool:
+        """Drop a block from every tier and report it `removed`; False (nothing done) while a read holds it."""
+        if self._is_pinned(block_hash):
+            return False
+        self.dram.remove(block_hash)
+        writing = self._writing.pop(block_hash, None)  # its queued write then finds nothing to write
+        if writing is not None:
+            self._writing_bytes -= len(writing)
+        if self.ssd is not None:
+            self.ssd.remove(block_hash)
+        self._report_removed([block_hash])
+        return True
+
     async def get(self, block_hash: int, part: int = 0) -> StoredBlock | None:
         """The block, for a read of part `part`; None when no tier holds it.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import bench_engine, calibrate, chat, compose, eval_fastgen, eval_kv, generate, up
+from shared.cli import bench_engine, calibrate, chat, compose, eval_fastgen, eval_kv, generate, keys, nats, secrets, up
 from shared.cli.common import CliError
 
 DESCRIPTION = """\
@@ -20,6 +20,9 @@ Commands:
   calibrate  learn a KVQuant calibration (Fisher-weighted codebooks, key ranges) from text
   up         run the whole system locally: nats-server plus every service, OpenAI-compatible API
   compose    print docker-compose.yml for the same topology
+  secrets    a deployment's secrets: a NATS password per role and the cache block key (.env for compose)
+  nats       the NATS server's configuration that limits each role to its own subjects
+  keys       create, list and remove the gateway's API keys (TSUKIMI_API_KEYS_FILE)
 """
 
 
@@ -38,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.register(commands)
     up.register(commands)
     compose.register(commands)
+    secrets.register(commands)
+    nats.register(commands)
+    keys.register(commands)
     return parser
 
 

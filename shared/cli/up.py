@@ -6,27 +6,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import http.client
-import json
 import os
-import shlex
-import signal
 import socket
-import sys
 import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
+from shared.api_keys import load_api_keys
 from shared.cli.common import CliError, add_kv_codec_args, positive_int
-from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, load_settings
+from shared.cli.secrets import LocalSecrets
+from shared.cli.up_session import Session, say, stop_on_signals
+from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, check_http_exposure, load_settings
 from shared.engine.config import KV_POLICIES
-from shared.nats_server import NatsServerError, find_nats_server, free_port, wait_for_port
+from shared.log import redact_url
+from shared.nats_server import NatsServerError, find_nats_server, free_port
+from shared.protocol import Subjects
+from shared.secrets import ROLES, Secrets, SecretsError
 from shared.sim.engine import sim_model_name
 from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
 from shared.supervisor import Supervisor
@@ -57,7 +51,6 @@ Exit status: 0 after Ctrl-C or SIGTERM, 1 when the system did not come up in tim
 """
 STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
 STOP_NATS_S = 1.5
-NATS_START_S = 10.0
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,12 +69,20 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--cache-stores", type=positive_int, default=1, metavar="N", help="cache-store shards (default: 1)"
     )
-    parser.add_argument("--host", help="gateway listen address (default: $TSUKIMI_HOST or 127.0.0.1)")
+    parser.add_argument("--host", help="gateway listen address (default: $TSUKIMI_HOST or 127.0.0.1); beyond loopback "
+                                       "it needs API keys (TSUKIMI_API_KEYS_FILE, see `tsukimi keys`) or --insecure")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve a non-loopback --host without API keys: anyone who reaches the port is served "
+                             "(TSUKIMI_INSECURE_HTTP=on)")
     parser.add_argument("--port", type=int, help="gateway port (default: $TSUKIMI_PORT or 8000)")
     parser.add_argument(
         "--model", metavar="PATH", help="a GGUF file or safetensors folder (default: SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--nats-url", metavar="URL", help="use this NATS server instead of starting one")
+    parser.add_argument(
+        "--nats-secrets", metavar="FILE", type=Path,
+        help="with --nats-url: the deployment's secrets (`tsukimi secrets`; the server configured with `tsukimi "
+             "nats config`); without it the services connect as the TSUKIMI_NATS_* variables say")
     parser.add_argument(
         "--log-dir", metavar="DIR", type=Path, help="where each process's log goes (default: a new temp dir)"
     )
@@ -121,127 +122,72 @@ def run(args: argparse.Namespace) -> int:
     overrides = _scheduling_env(args) | _deployment_env(args)
     settings = _environment_settings(overrides)
     topology = dataclasses.replace(_topology(args, settings), extra_env=tuple(sorted(overrides.items())))
+    _check_exposure(topology.host, settings)
     _check_port_free(topology.host, topology.port)
     _check_modules()
     nats_binary = None if args.nats_url else _nats_binary()
     log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-"))).resolve()
+    auth = _local_auth(args)
+    try:
+        return _run(args, settings, topology, nats_binary, log_dir, auth)
+    finally:
+        if auth is not None:
+            auth.close()
+
+
+def _run(
+    args: argparse.Namespace, settings: Settings, topology: Topology, nats_binary: str | None, log_dir: Path,
+    auth: LocalSecrets | None,
+) -> int:
     infra_specs, nats_port = [], None
+    if auth is not None:
+        files = tuple((role, str(auth.password_file(role))) for role in ROLES)
+        topology = dataclasses.replace(topology, nats_password_files=files, block_key_file=str(auth.block_key_file))
     if nats_binary is not None:
+        assert auth is not None
         nats_port = free_port()
         topology = dataclasses.replace(topology, nats_url=f"nats://127.0.0.1:{nats_port}")
-        infra_specs.append(nats_process_spec(nats_binary, nats_port, log_dir / "nats-store"))
+        config = auth.server_config_file(nats_port, Subjects(settings.subject_prefix))
+        infra_specs.append(nats_process_spec(nats_binary, config))
     counts = ", ".join(f"{topology.count(s)} {s.name}" for s in SERVICES)
-    _say(f"starting {counts} on NATS {topology.nats_url}; logs in {log_dir}")
+    access = "a password per role" if auth is not None else "the TSUKIMI_NATS_* credentials"
+    say(f"starting {counts} on NATS {redact_url(topology.nats_url)} ({access}); logs in {log_dir}")
+    if auth is None and not settings.nats_credentials.password and "@" not in topology.nats_url:
+        say("WARNING: connecting to NATS without credentials: whoever reaches it reads and forges every message "
+             "(see --nats-secrets)")
     model_name = settings.model_name
     if settings.engine_kind == "sim":
         profile = get_profile(settings.sim_profile)
         model_name = sim_model_name(profile)
-        _say(f"SIMULATION: no model runs; engine steps sleep for a roofline model of {profile.model.num_layers}-layer "
+        say(f"SIMULATION: no model runs; engine steps sleep for a roofline model of {profile.model.num_layers}-layer "
              f"{profile.name} ({profile.num_gpus}x {profile.gpu.name} per instance), KV moves as sizes only")
-    with _stop_on_signals() as stop:
-        session = _Session(
+    with stop_on_signals() as stop:
+        session = Session(
             topology, model_name, args.startup_timeout, stop,
-            infra=Supervisor(infra_specs, log_dir, say=_say),
-            services=Supervisor(topology.process_specs(), log_dir, say=_say), nats_port=nats_port,
+            infra=Supervisor(infra_specs, log_dir, say=say),
+            services=Supervisor(topology.process_specs(), log_dir, say=say), nats_port=nats_port,
         )
         try:
             return session.serve()
         finally:
-            _say("stopping")
+            say("stopping")
             session.services.stop(STOP_SERVICES_S)
             session.infra.stop(STOP_NATS_S)
-            _say("stopped")
+            say("stopped")
 
 
-@dataclass
-class _Session:
-    """One `tsukimi up` run: NATS (`infra`, stopped last) and the services, polled from the main thread."""
-
-    topology: Topology
-    model_name: str
-    startup_timeout_s: float
-    stop: threading.Event
-    infra: Supervisor
-    services: Supervisor
-    nats_port: int | None  # the embedded server's, else None
-
-    def serve(self) -> int:
-        """Start NATS, then the services; wait for health, announce, keep them running until `stop` is set.
-
-        Returns 0 after a stop signal, 1 when NATS or the gateway did not come up in time.
-        """
-        try:
-            self.infra.start()
-            if self.nats_port is not None and not self.wait_for(self.nats_listens, NATS_START_S):
-                return self.gave_up(f"nats-server did not listen on port {self.nats_port} within {NATS_START_S:.0f} s")
-            self.services.start()
-        except OSError as exc:
-            return self.gave_up(f"cannot start a process: {exc}")
-        base_url = f"http://{_connect_host(self.topology.host)}:{self.topology.port}"
-        health = _HealthProbe(f"{base_url}/health")
-        if not self.wait_for(health.is_ok, self.startup_timeout_s):
-            return self.gave_up(f"GET {health.url} -> {health.status} after {self.startup_timeout_s:.0f} s")
-        _announce(base_url, self.model_name, self.services.log_dir)
-        while not self.stop.wait(0.2):
-            self.poll()
-        return 0
-
-    def nats_listens(self) -> bool:
-        return self.nats_port is not None and wait_for_port("127.0.0.1", self.nats_port, 0.2)
-
-    def poll(self) -> None:
-        self.infra.poll()
-        self.services.poll()
-
-    def wait_for(self, ready: Callable[[], bool], timeout_s: float) -> bool:
-        """Poll the children and `ready()` until it is true (True), or a stop or the timeout (False)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            self.poll()
-            if ready():
-                return True
-            self.stop.wait(0.25)
-        return False
-
-    def gave_up(self, reason: str) -> int:
-        if self.stop.is_set():
-            return 0
-        _say(f"gave up: {reason}; the logs are in {self.services.log_dir}")
-        return 1
-
-
-class _HealthProbe:
-    """GET a URL (never through a proxy); remembers the last answer and says every 10 s that it is still waiting."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.status = "no answer yet"
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        self._started = time.monotonic()
-        self._next_note = self._started + 10.0
-
-    def is_ok(self) -> bool:
-        try:
-            with self._opener.open(self.url, timeout=1.0) as response:
-                self.status = str(response.status)
-        except urllib.error.HTTPError as exc:
-            self.status = str(exc.code)
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", exc)
-            self.status = getattr(reason, "strerror", None) or str(reason)
-        if self.status == "200":
-            return True
-        if time.monotonic() >= self._next_note:
-            self._next_note += 10.0
-            _say(f"still starting ({time.monotonic() - self._started:.0f} s): GET {self.url} -> {self.status}")
-        return False
-
-
-def _announce(base_url: str, model_name: str, log_dir: Path) -> None:
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Say hello."}]})
-    print(f"tsukimi is up: {base_url}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
-    print(f"  try: curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}")
-    print(f"  logs: {log_dir}", flush=True)
+def _local_auth(args: argparse.Namespace) -> LocalSecrets | None:
+    """The passwords this run's processes connect with: new ones for the embedded server, those of --nats-secrets for
+    an existing one, or none (the services then connect as their TSUKIMI_NATS_* variables say)."""
+    if args.nats_secrets and not args.nats_url:
+        raise CliError("--nats-secrets goes with --nats-url (the embedded server gets new passwords every run)")
+    if args.nats_url and not args.nats_secrets:
+        return None
+    try:
+        secrets = Secrets.read(args.nats_secrets) if args.nats_secrets else Secrets.generate()
+    except SecretsError as exc:
+        raise CliError(str(exc)) from None
+    return LocalSecrets.create(secrets)
 
 
 def _environment_settings(overrides: dict[str, str]) -> Settings:
@@ -260,8 +206,8 @@ def _scheduling_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
-    """--engine, --profile and --colocated as variables; a sim system also gets `SIM_ENV_DEFAULTS`, and a colocated
-    one the least_loaded routing, where neither the flags nor this shell say otherwise."""
+    """--engine, --profile, --colocated and --insecure as variables; a sim system also gets `SIM_ENV_DEFAULTS`, and a
+    colocated one the least_loaded routing, where neither the flags nor this shell say otherwise."""
     if args.profile and args.engine != "sim":
         raise CliError("--profile needs --engine sim")
     env = {}
@@ -278,6 +224,8 @@ def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
         env["TSUKIMI_KV_POLICY"] = args.kv_policy
     if args.fastgen_threshold is not None:
         env["TSUKIMI_FASTGEN_T"] = str(args.fastgen_threshold)
+    if args.insecure:
+        env["TSUKIMI_INSECURE_HTTP"] = "on"
     if args.colocated:
         env["TSUKIMI_DEPLOYMENT"] = "colocated"
         if args.policy is None and "TSUKIMI_POLICY" not in os.environ:
@@ -308,6 +256,16 @@ def _topology(args: argparse.Namespace, settings: Settings) -> Topology:
         raise CliError(str(exc)) from None
 
 
+def _check_exposure(host: str, settings: Settings) -> None:
+    """No API open to the network by accident; an API keys file that the gateway could not read fails now."""
+    try:
+        check_http_exposure(host, settings.api_keys_file or "", settings.insecure_http)
+        if settings.api_keys_file:
+            load_api_keys(settings.api_keys_file)
+    except ConfigError as exc:
+        raise CliError(str(exc).replace("TSUKIMI_INSECURE_HTTP=on (tsukimi up --insecure)", "--insecure")) from None
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Fail now, with a clear message, rather than in a gateway restarting forever."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -333,27 +291,3 @@ def _nats_binary() -> str:
         raise CliError(f"{exc}, or pass --nats-url") from None
 
 
-def _connect_host(host: str) -> str:
-    """Where to reach a server listening on `host` from this machine."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """SIGINT, SIGTERM and SIGHUP set the event (the loop stops children in order) instead of raising."""
-    stop = threading.Event()
-    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    previous = {sig: signal.signal(sig, lambda _signum, _frame: stop.set()) for sig in signals}
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _say(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)

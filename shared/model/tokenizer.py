@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -19,6 +20,9 @@ from tokenizers import Tokenizer as Backend
 
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 _TURN_PROBE = "\x00turn-probe\x00"
+_MARK = "\U000f0000"  # a private-use character: escapes control-token text in chat content (_ContentEscapes)
+_CODES = 0x100000  # the i-th control text escapes as _MARK + chr(_CODES + i)
+_ESCAPED = re.compile(re.escape(_MARK) + ".", re.DOTALL)
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -216,9 +220,42 @@ class Tokenizer:
         return self._render(messages, add_generation_prompt, self.eos_token_ids[:1])
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; no BOS is added (the template writes it if the model wants one)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of the rendered chat; no BOS is added (the template writes it if the model wants one).
+
+        Only the template's own markers become control tokens: control-token text inside a message's content (a
+        forged `<|im_end|><|im_start|>system`) is tokenized as plain text. A chat without such text tokenizes
+        exactly as `encode(apply_chat_template(...))` would.
+        """
+        escapes = _ContentEscapes(self._control_texts)
+        text = self.apply_chat_template(escapes.messages(messages), add_generation_prompt)
+        ids: list[int] = []
+        start = 0
+        # The backend always matches added tokens, so it only sees the text between the template's markers.
+        for marker in self._control_pattern.finditer(text) if self._control_texts else ():
+            ids += self._plain_ids(escapes.restore(text[start : marker.start()]))
+            ids.append(self._control_texts[marker.group()])
+            start = marker.end()
+        return ids + self._plain_ids(escapes.restore(text[start:]))
+
+    @functools.cached_property
+    def _control_texts(self) -> dict[str, int]:
+        added = self.backend.get_added_tokens_decoder()
+        return {added[i].content: i for i in sorted(self.control_token_ids)}
+
+    @functools.cached_property
+    def _control_pattern(self) -> re.Pattern[str]:
+        """Leftmost-longest, as the backend matches added tokens."""
+        return re.compile("|".join(re.escape(t) for t in sorted(self._control_texts, key=len, reverse=True)))
+
+    @functools.cached_property
+    def _plain_backend(self) -> Backend:
+        """This backend without its special added tokens: control-token text becomes ordinary tokens."""
+        spec = json.loads(self.backend.to_str())
+        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if not t.get("special")]
+        return Backend.from_str(json.dumps(spec))
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._plain_backend.encode(text, add_special_tokens=False).ids if text else []
 
     def token_piece(self, token_id: int) -> str:
         """The vocabulary string of one token (byte-level spelling, e.g. "Ġworld").
@@ -262,6 +299,43 @@ class Tokenizer:
         tail = text.partition(_TURN_PROBE)[2]
         ends = [i for i in self.control_token_ids if tail.startswith(self.token_piece(i))]
         return sorted(ends, key=lambda i: -len(self.token_piece(i)))[:1]
+
+
+class _ContentEscapes:
+    """Hides control-token text inside message contents from the template's own markers, and brings it back.
+
+    In content, `_MARK` becomes `_MARK` + "0" and the i-th control text `_MARK` + chr(_CODES + i); a guard
+    (`_MARK` + "|", restored as nothing) separates content that starts or ends with part of a control text from the
+    template text beside it, so that no marker can straddle the two.
+    """
+
+    def __init__(self, control_texts: Mapping[str, int]) -> None:
+        self.texts = list(control_texts)
+        self.prefixes = {t[:i] for t in self.texts for i in range(1, len(t))}
+        self.suffixes = {t[i:] for t in self.texts for i in range(1, len(t))}
+        self.codes = {_MARK + "0": _MARK, _MARK + "|": ""} | {
+            _MARK + chr(_CODES + i): t for i, t in enumerate(self.texts)
+        }
+
+    def messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        return [{**m, "content": self.escape(m["content"])} if "content" in m else m for m in messages]
+
+    def escape(self, content: str) -> str:
+        content = content.replace(_MARK, _MARK + "0")
+        for i, text in enumerate(self.texts):
+            content = content.replace(text, _MARK + chr(_CODES + i))
+        # The guard goes inside surrounding whitespace, so that a template's `trim` still trims the same text.
+        body = content.strip()
+        if not body:
+            return content
+        head, tail = content.index(body), len(content) - len(content.rstrip())
+        guard_head = any(body.startswith(s) for s in self.suffixes)
+        guard_tail = any(body.endswith(p) for p in self.prefixes)
+        guarded = (_MARK + "|") * guard_head + body + (_MARK + "|") * guard_tail
+        return content[:head] + guarded + content[len(content) - tail :]
+
+    def restore(self, text: str) -> str:
+        return _ESCAPED.sub(lambda m: self.codes.get(m.group(), m.group()), text) if _MARK in text else text
 
 
 class IncrementalDetokenizer:

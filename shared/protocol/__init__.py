@@ -2,6 +2,7 @@
 subject (`subjects.py`). Import from here: `from shared.protocol import DecodeTask, Subjects, encode, decode`.
 """
 
+from shared.protocol import checks  # noqa: E402, F401  (registers every message's invariants with decode)
 from shared.protocol.base import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message, message_types
 from shared.protocol.messages import (
     Ack,
@@ -13,6 +14,7 @@ from shared.protocol.messages import (
     Cancel,
     DecodeTask,
     ErrorType,
+    ExpectHandoff,
     FastGenProfilePart,
     Heartbeat,
     KvChunk,
@@ -30,8 +32,8 @@ from shared.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjects, i
 
 __all__ = [
     "PROTOCOL_VERSION", "PREFILL_QUEUE", "SCHEDULER_QUEUE", "Ack", "BlockGet", "BlockHas", "BlockHasReply",
-    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "FastGenProfilePart", "Heartbeat", "KvChunk",
-    "KvEvent", "Message",
+    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "ExpectHandoff", "FastGenProfilePart", "Heartbeat",
+    "KvChunk", "KvEvent", "Message",
     "PrefillTask", "ProtocolError", "Role", "Sampling", "Snapshot", "SnapshotRequest", "StreamEvent", "SubmitReply",
     "SubmitRequest", "Subjects",
     "decode", "encode", "is_valid_request_id", "message", "message_types",

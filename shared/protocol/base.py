@@ -26,6 +26,7 @@ class Message:
 
 
 _REGISTRY: dict[str, type[Message]] = {}
+_CHECKS: dict[str, typing.Callable[[Any], None]] = {}  # kind -> its invariants (`checks.py`)
 M = TypeVar("M", bound=type[Message])
 
 
@@ -36,6 +37,16 @@ def message(kind: str) -> typing.Callable[[M], M]:
         cls.KIND = kind
         _REGISTRY[kind] = cls
         return cls
+
+    return register
+
+
+def invariants(cls: type[Message]) -> typing.Callable[[typing.Callable[[Any], None]], typing.Callable[[Any], None]]:
+    """Register the checks every decoded message of `cls` must pass (they raise ProtocolError)."""
+
+    def register(check: typing.Callable[[Any], None]) -> typing.Callable[[Any], None]:
+        _CHECKS[cls.KIND] = check
+        return check
 
     return register
 
@@ -62,7 +73,9 @@ def decode(data: bytes, expected: type[T] | None = None) -> Any:
         data: the NATS payload.
         expected: when given, the message must be of this type.
     Raises:
-        ProtocolError: not msgpack, an unknown kind, a newer version, missing/unknown fields, or not `expected`.
+        ProtocolError: not msgpack, an unknown kind, a newer version, missing/unknown fields, a field of the wrong
+            type, a value no sender makes (a negative count, an id that is not a subject token, ...; `checks.py`),
+            or not `expected`.
     """
     try:
         kind, version, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
@@ -95,9 +108,13 @@ def _from_wire(cls: type[Message], fields: Any) -> Message:
         raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(map(str, unknown))}")
     kwargs = {name: _checked(cls, name, value, hints[name]) for name, value in fields.items()}
     try:
-        return cls(**kwargs)
+        msg = cls(**kwargs)
     except TypeError as exc:
         raise ProtocolError(f"{cls.KIND}: {exc}") from None
+    check = _CHECKS.get(cls.KIND)
+    if check is not None:
+        check(msg)
+    return msg
 
 
 _HINTS: dict[str, dict[str, Any]] = {}  # kind -> each field's resolved annotation

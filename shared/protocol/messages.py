@@ -114,6 +114,17 @@ class PrefillTask(Message):
     fetch_from_pool: bool = True
 
 
+@message("expect-handoff")
+@dataclass(frozen=True)
+class ExpectHandoff(Message):
+    """scheduler -> decode (`decode.<id>.run`), before it sends the `PrefillTask`: `prefill_id` will hand this request
+    over. Its KV stream may then use decode's whole KV buffer (streams nobody announced get a small share of it)."""
+
+    request_id: str
+    prefill_id: str
+    num_prompt_tokens: int
+
+
 @message("decode-task")
 @dataclass(frozen=True)
 class DecodeTask(Message):
@@ -312,8 +323,12 @@ class Snapshot(Message):
 class BlockPut(Message):
     """Part `part` of `num_parts` of one block's bytes (`cache.<shard>.put`, request/reply -> `Ack`).
 
-    The store commits a block only when every part arrived and verified (two-phase: parts, then commit).
+    The store commits a block only when every part arrived and verified (two-phase: parts, then commit). `tag` binds
+    the part to its block hash and place under the writers' key (`shared.cache.integrity`); the store keeps it and
+    readers check it. `replace` (part 0): the copy stored under this hash failed a reader's check; put this instead.
     """
+
+    VERSION: ClassVar[int] = 2
 
     block_hash: int
     part: int
@@ -322,6 +337,8 @@ class BlockPut(Message):
     raw_size: int
     checksum: int
     data: bytes
+    tag: bytes = b""
+    replace: bool = False
 
 
 @message("block-get")
@@ -336,7 +353,9 @@ class BlockGet(Message):
 @message("block-part")
 @dataclass(frozen=True)
 class BlockPart(Message):
-    """One part of a stored block, or `found=False`."""
+    """One part of a stored block (with the `tag` it was put with), or `found=False`."""
+
+    VERSION: ClassVar[int] = 2
 
     block_hash: int
     found: bool
@@ -346,6 +365,7 @@ class BlockPart(Message):
     raw_size: int = 0
     checksum: int = 0
     data: bytes = b""
+    tag: bytes = b""
 
 
 @message("block-has")

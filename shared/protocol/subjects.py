@@ -76,6 +76,10 @@ class Subjects:
         return None
 
 
+MAX_REQUEST_ID_LEN = 160  # a client's 128-character label, '-' and the gateway's 16 random hex digits, and room
+
+
 def is_valid_request_id(request_id: str) -> bool:
-    """Request ids become subject tokens: 1-128 of letters, digits, '-' and '_'."""
-    return 0 < len(request_id) <= 128 and all(c.isascii() and (c.isalnum() or c in "-_") for c in request_id)
+    """Request ids become subject tokens: 1-160 of letters, digits, '-' and '_'."""
+    return 0 < len(request_id) <= MAX_REQUEST_ID_LEN and all(
+        c.isascii() and (c.isalnum() or c in "-_") for c in request_id)

@@ -1,5 +1,6 @@
 """The whole system for integration tests: `tsukimi up` as a real child process (2 prefill, 2 decode, a cache-store,
-the scheduler and the gateway) around a nats-server the test also connects to, so it can watch the subjects."""
+the scheduler and the gateway) around a nats-server the test also connects to, so it can watch the subjects. The
+server admits each role with its own password (`--nats-secrets`) and the test as a watcher allowed everything."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.nats_auth import ExtraUser, NatsCredentials
 from shared.nats_server import EmbeddedNatsServer, free_port
+from shared.secrets import Secrets, write_private
 
 STARTUP_S = 300.0  # five model loads on two busy cores
+WATCHER = ExtraUser("itest-watcher", "itest-watcher-password-0123456789")
 
 
 @dataclass
@@ -27,6 +31,11 @@ class System:
     port: int
     log_dir: Path
     stdout_path: Path
+
+    @property
+    def watcher(self) -> NatsCredentials:
+        """Credentials that may publish and subscribe anywhere (a test watching, or forging, messages)."""
+        return NatsCredentials(WATCHER.name, WATCHER.password)
 
     @property
     def base_url(self) -> str:
@@ -71,9 +80,12 @@ class System:
 
 
 def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> System:
-    nats = EmbeddedNatsServer().start()
+    secrets = Secrets.generate()
+    nats = EmbeddedNatsServer(auth=secrets, extra_users=(WATCHER,)).start()
     port = free_port()
     log_dir, stdout_path = tmp / "logs", tmp / "up.out"
+    secrets_file = tmp / "nats-secrets.env"
+    write_private(secrets_file, secrets.env_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
     env |= {"TSUKIMI_KV_CACHE_MB": "64", "TSUKIMI_CACHE_DRAM_MB": "256", "TSUKIMI_NUM_THREADS": "1",
             "TSUKIMI_HEARTBEAT_S": "0.3", "TSUKIMI_KV_COMPRESS": "on",  # exercise the LZ4 path end to end
@@ -82,7 +94,7 @@ def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> Syst
             "TSUKIMI_SLO_TTFT_MS": "600000"}
     env |= env_overrides or {}
     cmd = [sys.executable, "-m", "shared", "up", "--prefill", "2", "--decode", "2", "--port", str(port),
-           "--nats-url", nats.url, "--log-dir", str(log_dir)]
+           "--nats-url", nats.url, "--nats-secrets", str(secrets_file), "--log-dir", str(log_dir)]
     with open(stdout_path, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     system = System(process, nats, port, log_dir, stdout_path)

@@ -49,7 +49,7 @@ async def _post(session: aiohttp.ClientSession, system: System, body: dict[str, 
 
 
 async def _watch(system: System, subject: str) -> tuple[Bus, list[str]]:
-    bus = await Bus.connect(system.nats.url, "itest-faults", Subjects())
+    bus = await Bus.connect(system.nats.url, "itest-faults", Subjects(), system.watcher)
     seen: list[str] = []
 
     async def on(msg) -> None:  # noqa: ANN001

@@ -7,6 +7,7 @@ import uuid
 from services.cache_store import CacheStoreService
 from shared.bus import Bus
 from shared.cache.client import CacheClient
+from shared.cache.integrity import BlockSigner
 from shared.config import load_settings
 from shared.protocol import Message, Subjects
 
@@ -47,8 +48,12 @@ class Stack:
         self.services.remove(service)
         await service.stop()
 
-    async def client(self, num_shards: int = 1, timeout_s: float = 2.0, hot_gets: int = 0) -> CacheClient:
-        return CacheClient(await self.bus(), num_shards, timeout_s=timeout_s, hot_gets=hot_gets)
+    async def client(
+        self, num_shards: int = 1, timeout_s: float = 2.0, hot_gets: int = 0, key: bytes | None = None
+    ) -> CacheClient:
+        """A client; with `key`, one that signs what it puts and checks what it gets."""
+        return CacheClient(await self.bus(), num_shards, timeout_s=timeout_s, hot_gets=hot_gets,
+                           signer=BlockSigner(key))
 
     async def listen(self, subject: str) -> list[Message]:
         received: list[Message] = []

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_runner import BaseRunner
 
 from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.backend import BackendUnavailable
+from services.gateway.http_server import GatewayRunner, runner_options
 from services.gateway.prompt import ModelInfo
 from shared.model.checkpoint import Checkpoint
 from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
@@ -85,7 +87,7 @@ class FakeBackend:
     script: Script = field(default_factory=lambda: answering(["Hello", ",", " world"]))
     event_gap_s: float = 0.0
     is_scheduler_down: bool = False
-    alive: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
+    alive: dict[str, int] = field(default_factory=lambda: {"scheduler": 1, "prefill": 1, "decode": 1})
     waiting: dict[str, int] = field(default_factory=dict)
     beats: list[Heartbeat] = field(default_factory=list)  # what `instances` reports (the KV metrics read them)
     submits: list[SubmitRequest] = field(default_factory=list)
@@ -135,13 +137,24 @@ def model_info(checkpoint: Checkpoint, context_len: int | None = None) -> ModelI
     )
 
 
+class GatewayTestServer(TestServer):
+    """aiohttp's test server with the gateway's own runner (JSON for aiohttp's errors, its connection timeouts)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__(gateway.build_app())
+        self.read_timeout_s = gateway.config.http_read_timeout_s
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        return GatewayRunner(self.app, **{**kwargs, **runner_options(self.read_timeout_s)})
+
+
 @asynccontextmanager
 async def serving(
     checkpoint: Checkpoint, backend: FakeBackend, config: GatewayConfig | None = None, context_len: int | None = None
 ) -> AsyncIterator[tuple[Any, Gateway]]:
     """A gateway on a loopback port in front of `backend`, and an HTTP client for it."""
     gateway = Gateway(model_info(checkpoint, context_len), backend, config or GatewayConfig(block_size=16))
-    client: Any = TestClient(TestServer(gateway.build_app()))
+    client: Any = TestClient(GatewayTestServer(gateway))
     await client.start_server()
     try:
         yield client, gateway

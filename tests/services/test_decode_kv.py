@@ -22,6 +22,7 @@ from shared.protocol import (
     Cancel,
     DecodeTask,
     ErrorType,
+    ExpectHandoff,
     FastGenProfilePart,
     Heartbeat,
     KvChunk,
@@ -185,3 +186,46 @@ async def test_a_prompt_sent_to_decode_is_prefilled_there(service: DecodeService
     samples = [s for beat in beats for s in beat.samples]
     assert samples and all(len(s) == 3 and s[0] >= 1 and s[2] > 0 for s in samples)  # decode step timings
     assert all(beat.block_bytes > 0 for beat in beats)
+
+
+async def test_a_cancel_it_did_not_send_reaches_the_client(service: DecodeService, client: Client) -> None:
+    """A broadcast cancel (the scheduler's, after an instance died, say) ends the request with an error event: the
+    client is told, not left to time out. One from the prefill instance (finished there) says nothing."""
+    await client.send("cut", client.chunks("cut"), max_tokens=200)
+    for _ in range(100):
+        if service.load().num_running == 1:
+            break
+        await asyncio.sleep(0.05)
+    await client.bus.publish(client.bus.subjects.cancel, Cancel("cut", "prefill-0 stopped responding"))
+    events = await client.wait_done("cut")
+    assert events[-1].error_type == ErrorType.UNAVAILABLE and "prefill-0 stopped responding" in events[-1].error
+    await client.listen("done-at-prefill")
+    for chunk in client.chunks("done-at-prefill"):
+        await client.bus.publish(client.bus.subjects.decode_kv("d0"), chunk)
+    await client.bus.publish(client.bus.subjects.decode_run("d0"), Cancel("done-at-prefill", "finished at prefill"))
+    await asyncio.sleep(0.3)
+    assert "done-at-prefill" not in service.receiver and not client.events.get("done-at-prefill")
+
+
+async def test_a_decode_task_with_no_kv_and_no_announcement_fails_at_once(
+    service: DecodeService, client: Client
+) -> None:
+    await client.listen("ghost")
+    ghost = DecodeTask("ghost", [1, 2, 3], 7, 0, Sampling(max_tokens=2), 5, 0, "p0")
+    await client.bus.publish(client.bus.subjects.decode_run("d0"), ghost)
+    events = await client.wait_done("ghost", timeout_s=0.5)  # not after the KV deadline
+    assert events[-1].error_type == ErrorType.KV_TRANSFER and "not told to expect it" in events[-1].error
+    await client.bus.publish(client.bus.subjects.decode_run("d0"), ExpectHandoff("slow", "p0", NUM_PROMPT))
+    await client.listen("slow")
+    await client.bus.publish(client.bus.subjects.decode_run("d0"), dataclasses.replace(ghost, request_id="slow"))
+    # announced, its KV never comes: the KV deadline (1 s here) fails it
+    events = await client.wait_done("slow", timeout_s=5.0)
+    assert "no KV chunk arrived" in events[-1].error
+
+
+async def test_profile_parts_of_no_stream_are_not_kept(service: DecodeService, client: Client) -> None:
+    for part in client.profile("stranger"):
+        await client.bus.publish(client.bus.subjects.decode_kv("d0"), part)
+    await client.bus.client.flush()
+    await asyncio.sleep(0.2)
+    assert service.profiles.num_received("stranger") == 0

@@ -3,15 +3,17 @@ request ids, health and metrics."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import openai
 import pytest
+import structlog
 from gateway_fakes import KV_CODEC, MESSAGES, MODEL, FakeBackend, answering, serving, sse_payloads, token_events
 
 from services.gateway.prompt import DEFAULT_MAX_TOKENS
 from shared.blocks import block_hashes, make_namespace
-from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
+from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest, is_valid_request_id
 
 
 async def test_chat_answer_has_the_openai_shape_and_submits_the_templated_prompt(checkpoint: Any) -> None:
@@ -137,35 +139,52 @@ async def test_the_official_openai_client_works_unmodified(checkpoint: Any) -> N
     assert not backend.open_streams
 
 
-async def test_request_id_is_taken_echoed_or_generated(checkpoint: Any) -> None:
+async def test_request_id_is_a_label_echoed_while_the_gateway_gives_its_own_id(checkpoint: Any) -> None:
     backend = FakeBackend()
+    chat = {"model": MODEL, "messages": MESSAGES}
     async with serving(checkpoint, backend) as (client, _):
-        resp = await client.post(
-            "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, headers={"X-Request-Id": "my-id_1"}
-        )
-        assert resp.headers["X-Request-Id"] == "my-id_1" and (await resp.json())["id"] == "chatcmpl-my-id_1"
-        assert backend.submits[-1].request_id == "my-id_1"
-        bad = await client.post(
-            "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, headers={"X-Request-Id": "a.b"}
-        )
+        answers = []
+        for _ in range(2):  # a retrying client sends the same label again: a new request each time
+            resp = await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "my-id_1"})
+            assert resp.status == 200 and resp.headers["X-Request-Id"] == "my-id_1"
+            answers.append(await resp.json())
+        first, second = (s.request_id for s in backend.submits)
+        assert re.fullmatch(r"my-id_1-[0-9a-f]{16}", first) and re.fullmatch(r"my-id_1-[0-9a-f]{16}", second)
+        assert first != second and [a["id"] for a in answers] == [f"chatcmpl-{first}", f"chatcmpl-{second}"]
+        unlabelled = await client.post("/v1/chat/completions", json=chat)
+        generated = unlabelled.headers["X-Request-Id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", generated) and backend.submits[-1].request_id == generated
+        assert (await unlabelled.json())["id"] == f"chatcmpl-{generated}"
+        bad = await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "a.b"})
         assert bad.status == 400 and "X-Request-Id" not in bad.headers
         assert "X-Request-Id" in (await bad.json())["error"]["message"]
+        too_long = await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "x" * 129})
+        assert too_long.status == 400
+        longest = await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "y" * 128})
+        assert longest.status == 200 and longest.headers["X-Request-Id"] == "y" * 128
+        internal = backend.submits[-1].request_id  # the whole label and the gateway's suffix: a subject token still
+        assert len(internal) == 128 + 17 and internal.startswith("y" * 128 + "-") and is_valid_request_id(internal)
         error = await client.post("/v1/completions", data=b"{", headers={"X-Request-Id": "err-1"})
         assert error.status == 400 and error.headers["X-Request-Id"] == "err-1"
-        first = await client.get("/health")
-        second = await client.get("/health")
-        assert first.headers["X-Request-Id"] != second.headers["X-Request-Id"]
-    assert len(backend.submits) == 1
+        first_health = await client.get("/health")
+        second_health = await client.get("/health")
+        assert first_health.headers["X-Request-Id"] != second_health.headers["X-Request-Id"]
+    assert len(backend.submits) == 4
 
 
-async def test_health_needs_a_live_prefill_and_decode_instance(checkpoint: Any) -> None:
-    backend = FakeBackend(alive={"prefill": 2, "decode": 1})
+async def test_health_needs_a_live_scheduler_prefill_and_decode_instance(checkpoint: Any) -> None:
+    backend = FakeBackend(alive={"scheduler": 1, "prefill": 2, "decode": 1})
     async with serving(checkpoint, backend) as (client, _):
         ok = await client.get("/health")
-        assert ok.status == 200 and await ok.json() == {"status": "ok", "prefill": 2, "decode": 1}
+        assert ok.status == 200 and await ok.json() == {"status": "ok", "scheduler": 1, "prefill": 2, "decode": 1}
         backend.alive["decode"] = 0
         down = await client.get("/health")
-        assert down.status == 503 and (await down.json())["status"] == "unavailable"
+        assert down.status == 503 and down.headers["Retry-After"] == "1"
+        assert await down.json() == {"status": "unavailable", "scheduler": 1, "prefill": 2, "decode": 0,
+                                     "missing": ["decode"], "message": "no live decode instance"}
+        backend.alive |= {"decode": 1, "scheduler": 0}  # instances without a scheduler serve nothing
+        no_scheduler = await client.get("/health")
+        assert no_scheduler.status == 503 and (await no_scheduler.json())["missing"] == ["scheduler"]
         live = await client.get("/live")
         assert live.status == 200
         models = await (await client.get("/v1/models")).json()
@@ -222,3 +241,17 @@ async def test_metrics_expose_each_instance_kv_storage_and_traffic(checkpoint: A
         'tsukimi_kv_store_dram_blocks{instance="cache-0",role="cache-store"} 3',
     ]:
         assert line in lines, line
+
+
+async def test_logs_carry_the_internal_id_and_the_client_label(checkpoint: Any) -> None:
+    backend = FakeBackend()
+    chat = {"model": MODEL, "messages": MESSAGES}
+    async with serving(checkpoint, backend) as (client, _):
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-7"})
+            await client.post("/v1/chat/completions", json=chat)
+    labelled, plain = (s.request_id for s in backend.submits)
+    finished = [line for line in logs if line["event"] == "finished"]
+    assert [(line["request_id"], line.get("client_request_id")) for line in finished] == [
+        (labelled, "trace-7"), (plain, None)]
+    assert all("client_request_id" not in line for line in logs if line.get("request_id") == plain)

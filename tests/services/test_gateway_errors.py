@@ -151,6 +151,8 @@ async def test_a_rejection_is_429_with_retry_after(checkpoint: Any) -> None:
         assert 'tsukimi_gateway_rejections_total{reason="ttft_slo"} 2' in metrics
         bad = await client.post("/v1/chat/completions", json={**CHAT, "slo_ttft_ms": -5})
         assert bad.status == 400 and (await bad.json())["error"]["param"] == "slo_ttft_ms"
+        tiny = await client.post("/v1/chat/completions", json={**CHAT, "slo_tbt_ms": 5e-324})  # 0 s once in seconds
+        assert tiny.status == 400 and (await tiny.json())["error"]["param"] == "slo_tbt_ms"
     assert not backend.cancels and not backend.open_streams
     # The SLO extension fields reach the scheduler, in seconds.
     assert [(s.ttft_slo_s, s.tbt_slo_s) for s in backend.submits] == [(1.5, 0.08), (1.5, 0.08)]
@@ -251,17 +253,17 @@ async def test_a_client_that_gives_up_on_a_whole_answer_cancels_it(checkpoint: A
         assert backend.cancels[0][1] == "client disconnected" and not gateway.active_request_ids
 
 
-async def test_a_request_id_already_in_flight_is_refused(checkpoint: Any) -> None:
-    backend = FakeBackend(answering(["a", "b"]), event_gap_s=0.5)
+async def test_a_label_in_flight_twice_is_two_requests(checkpoint: Any) -> None:
+    backend = FakeBackend(answering(["a", "b"]), event_gap_s=0.2)
     headers = {"X-Request-Id": "same"}
-    async with serving(checkpoint, backend) as (client, _):
+    async with serving(checkpoint, backend) as (client, gateway):
         first = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=headers))
         await _eventually(lambda: bool(backend.submits))
         second = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
-        assert second.status == 400
-        assert_error(await second.json(), code="duplicate_request_id")
-        assert (await first).status == 200
-    assert len(backend.submits) == 1
+        assert second.status == 200 and second.headers["X-Request-Id"] == "same"
+        assert (await second.json())["choices"][0]["message"]["content"] == "ab"
+        assert (await first).status == 200 and not gateway.active_request_ids
+    assert len({s.request_id for s in backend.submits}) == 2 and not backend.cancels
 
 
 async def _eventually(condition: Any, timeout_s: float = 5.0) -> None:

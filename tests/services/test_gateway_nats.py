@@ -48,7 +48,7 @@ class Cluster:
         self.cancels.append(msg)
 
     async def beat(self) -> None:
-        for instance, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        for instance, role in (("scheduler-0", "scheduler"), ("prefill-0", "prefill"), ("decode-0", "decode")):
             await self.bus.publish(SUBJECTS.heartbeat(role, instance), Heartbeat(instance, role, 1, 0.0, num_waiting=2))
 
 
@@ -79,7 +79,8 @@ async def test_gateway_over_nats_serves_streams_rejects_and_cancels(nats_url: st
         await cluster.bus.serve(SUBJECTS.cancel, cluster.on_cancel)
         await cluster.beat()
         await _eventually(lambda: backend.num_alive("decode") == 1)
-        assert await (await client.get("/health")).json() == {"status": "ok", "prefill": 1, "decode": 1}
+        health = {"status": "ok", "scheduler": 1, "prefill": 1, "decode": 1}
+        assert await (await client.get("/health")).json() == health
         assert 'tsukimi_gateway_queue_depth{role="decode"} 2' in await (await client.get("/metrics")).text()
 
         resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})

@@ -70,7 +70,7 @@ def test_completion_prompt_forms() -> None:
 
 @pytest.mark.parametrize(
     ("error_type", "status", "retry_after"),
-    [("rejected", 429, "1"), ("unavailable", 503, None), ("kv_transfer", 502, None), ("invalid", 400, None),
+    [("rejected", 429, "1"), ("unavailable", 503, "1"), ("kv_transfer", 502, None), ("invalid", 400, None),
      ("internal", 500, None), ("something-new", 500, None)],
 )
 def test_error_types_map_to_statuses(error_type: str, status: int, retry_after: str | None) -> None:

@@ -13,6 +13,7 @@ from services.scheduler.service import SchedulerService
 from shared.config import load_settings
 from shared.protocol import (
     ErrorType,
+    ExpectHandoff,
     Heartbeat,
     KvEvent,
     PrefillTask,
@@ -78,7 +79,9 @@ async def test_a_fresh_scheduler_waits_for_the_first_heartbeats_before_refusing(
     await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE))
     reply = await asyncio.wait_for(submit, 1.0)
     assert reply.accepted and (reply.prefill_id, reply.decode_id) == ("p0", "d0")
-    assert [subject for subject, _ in bus.published] == [bus.subjects.prefill_run("p0")]
+    # decode is told to expect the hand-off (its KV may then use decode's whole buffer), then prefill gets the task
+    assert [subject for subject, _ in bus.published] == [bus.subjects.decode_run("d0"), bus.subjects.prefill_run("p0")]
+    assert isinstance(bus.published[0][1], ExpectHandoff) and bus.published[0][1].prefill_id == "p0"
 
 
 async def test_least_loaded_counts_its_placements_at_once() -> None:

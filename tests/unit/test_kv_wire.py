@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvReceiver, KvTransferError, chunk_layer_kv, num_kv_chunks
+from shared.kv_receiver import KvReceiver
+from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
 from shared.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, checksum, compress, decompress
 from shared.protocol import KvChunk, decode, encode
 
@@ -304,3 +305,45 @@ def test_discard_drops_a_stream_and_its_late_chunks() -> None:
     assert receiver.add(chunks[1]) is None and "r1" not in receiver
     clock.now += 11
     assert receiver.expire() == []
+
+
+def test_kv_nobody_announced_gets_a_small_share_of_the_buffer() -> None:
+    kv = smooth_kv(2, 3, 37, 64)  # 113,664 bytes in 12 chunks
+    receiver = KvReceiver(deadline_s=10.0, max_bytes=16 * 40_000, clock=FakeClock())
+    receiver.expect("announced")
+    stranger = [receiver.add(chunk) for chunk in all_chunks("stranger", kv, 11_000)]
+    error = next(e for e in stranger if e is not None)
+    assert "did not place here" in str(error) and "stranger" not in receiver
+    assert receiver.num_unannounced_bytes == 0  # what it held is given back
+    assert all(receiver.add(chunk) is None for chunk in all_chunks("announced", kv, 11_000))
+    assert receiver.is_complete("announced") and receiver.num_held_bytes == kv.numel() * 4
+    late = all_chunks("late", kv, 11_000)  # chunks before their announcement (across a NATS cluster)
+    assert receiver.add(late[0]) is None and receiver.num_unannounced_bytes > 0
+    receiver.expect("late")
+    assert receiver.num_unannounced_bytes == 0 and all(receiver.add(chunk) is None for chunk in late[1:])
+
+
+def test_the_buffer_is_shared_by_every_stream_and_freed_as_they_close() -> None:
+    kv = smooth_kv(2, 3, 37, 64)
+    receiver = KvReceiver(deadline_s=10.0, max_bytes=150_000, clock=FakeClock())
+    for request_id in ("a", "b", "c"):
+        receiver.expect(request_id)
+    assert all(receiver.add(chunk) is None for chunk in all_chunks("a", kv, 11_000))
+    errors = [receiver.add(chunk) for chunk in all_chunks("b", kv, 11_000)]
+    assert "KV buffer is full" in str(next(e for e in errors if e is not None)) and "b" not in receiver
+    assert receiver.take_complete("a") is not None and receiver.num_held_bytes == 0
+    assert all(receiver.add(chunk) is None for chunk in all_chunks("c", kv, 11_000))
+    receiver.discard("c")
+    assert receiver.num_held_bytes == receiver.num_unannounced_bytes == 0
+
+
+def test_announcements_expire_and_are_bounded() -> None:
+    clock = FakeClock()
+    receiver = KvReceiver(deadline_s=10.0, expect_ttl_s=60.0, clock=clock)
+    receiver.expect("r1")
+    clock.now += 59
+    receiver.expire()
+    assert receiver.is_expected("r1")
+    clock.now += 2
+    receiver.expire()
+    assert not receiver.is_expected("r1")

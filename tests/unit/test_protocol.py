@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from shared.engine.sampling import SamplingParams
 from shared.protocol import (
+    BlockPut,
+    Cancel,
+    DecodeTask,
+    Heartbeat,
+    KvChunk,
+    KvEvent,
     Message,
+    PrefillTask,
     ProtocolError,
     Sampling,
     Subjects,
@@ -25,6 +32,9 @@ from shared.protocol import (
 )
 
 _SAMPLE_VALUES = {int: 7, float: 0.5, str: "x-1", bool: True, bytes: b"\x00\xffkv"}
+# Fields whose sample must also satisfy the messages' invariants (parts within totals, known kinds and roles, ...).
+_VALID_VALUES = {"seq": 1, "part": 1, "layer_end": 9, "token_end": 9, "kind": "stored", "role": "decode",
+                 "samples": [[1.0, 2.5, 3.0]], "num_cached_tokens": 1, "index": 3, "tag": b"0123456789abcdef"}
 
 
 def _example(cls: type[Message]) -> Message:
@@ -34,7 +44,9 @@ def _example(cls: type[Message]) -> Message:
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         hint = hints[f.name]
         origin = getattr(hint, "__origin__", None)
-        if isinstance(hint, type) and issubclass(hint, Message):
+        if f.name in _VALID_VALUES:
+            kwargs[f.name] = _VALID_VALUES[f.name]
+        elif isinstance(hint, type) and issubclass(hint, Message):
             kwargs[f.name] = _example(hint)
         elif origin is list:
             (item,) = hint.__args__
@@ -94,7 +106,7 @@ def test_subjects_share_one_prefix() -> None:
 
 
 @pytest.mark.parametrize(("request_id", "ok"), [("chatcmpl-abc_1", True), ("", False), ("a.b", False),
-                                                  ("a b", False), ("x" * 129, False), ("é", False)])
+                                                  ("a b", False), ("x" * 160, True), ("x" * 161, False), ("é", False)])
 def test_request_ids_are_subject_tokens(request_id: str, ok: bool) -> None:
     assert is_valid_request_id(request_id) is ok
 
@@ -154,3 +166,24 @@ def test_sender_of_reads_role_and_instance_from_self_describing_subjects() -> No
     assert subjects.sender_of(subjects.snapshot("prefill", "p")) == ("prefill", "p")
     for other in (subjects.submit, subjects.stream("r"), "t.sched.heartbeat.decode", "t.kv.events.a.b.c"):
         assert subjects.sender_of(other) is None
+
+
+@pytest.mark.parametrize(("cls", "changes", "complaint"), [
+    (Cancel, {"request_id": "a.b"}, "not a subject token"),
+    (Cancel, {"request_id": ""}, "not a subject token"),
+    (KvChunk, {"seq": 9, "total": 9}, "part 9 of 9"),
+    (KvChunk, {"raw_size": -1}, "raw_size is negative"),
+    (BlockPut, {"block_hash": -5}, "outside 0..2\\*\\*64-1"),
+    (Heartbeat, {"samples": [[1.0, float("nan"), 2.0]]}, "step sample"),
+    (Heartbeat, {"role": "admin"}, "unknown role"),
+    (Heartbeat, {"num_running": -3}, "num_running is negative"),
+    (DecodeTask, {"num_cached_tokens": 99}, "more cached tokens"),
+    (SubmitRequest, {"prompt_ids": []}, "no token ids"),
+    (SubmitRequest, {"arrival_time": float("inf")}, "arrival_time is not a finite number"),
+    (KvEvent, {"kind": "purged"}, "unknown kind"),
+    (PrefillTask, {"decode_id": "decode.0"}, "decode_id"),
+])
+def test_values_no_sender_makes_are_refused(cls: type[Message], changes: dict[str, object], complaint: str) -> None:
+    fields = msgpack.unpackb(encode(_example(cls)), raw=False)[2] | changes
+    with pytest.raises(ProtocolError, match=complaint):
+        decode(msgpack.packb([cls.KIND, cls.VERSION, fields]))

