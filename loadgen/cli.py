@@ -84,11 +84,12 @@ async def _run(
     args: argparse.Namespace, base_url: str, extra_body: dict[str, Any], requests: list[PlannedRequest]
 ) -> int:
     try:
-        model = await resolve_model(base_url, args.model)
+        model = await resolve_model(base_url, args.model, args.api_key)
     except ServerError as exc:
         print(f"tsukimi-loadgen: {exc}", file=sys.stderr)
         return 1
-    client = ClientOptions(base_url, model, args.api, args.request_timeout_s, not args.no_ignore_eos, extra_body)
+    client = ClientOptions(base_url, model, args.api, args.request_timeout_s, not args.no_ignore_eos, extra_body,
+                           args.api_key)
     slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
     options = RunOptions(client, args.concurrency, args.max_requests, args.duration_s, slo, not args.quiet)
     result = await run(requests, options)

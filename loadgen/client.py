@@ -37,6 +37,7 @@ class ClientOptions:
         request_timeout_s: a request still unanswered after this long fails.
         ignore_eos: send `ignore_eos: true` so every request produces exactly `max_tokens` tokens.
         extra_body: merged into every body last (it may override any field).
+        api_key: sent as `Authorization: Bearer <key>` ("": no header).
     """
 
     base_url: str
@@ -45,10 +46,19 @@ class ClientOptions:
     request_timeout_s: float = 600.0
     ignore_eos: bool = True
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    api_key: str = field(default="", repr=False)
 
     @property
     def endpoint(self) -> str:
         return self.base_url + _PATHS[self.api]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def normalize_base_url(url: str) -> str:
@@ -84,15 +94,19 @@ def request_body(planned: PlannedRequest, options: ClientOptions) -> dict[str, A
     return body
 
 
-async def fetch_model_ids(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0) -> list[str]:
+async def fetch_model_ids(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0, api_key: str = ""
+) -> list[str]:
     """The model ids of GET /v1/models; [] when the server answers but lists none (or has no such route).
 
     Raises:
-        ServerError: nothing answers at `base_url` (refused, unknown host, timeout).
+        ServerError: nothing answers at `base_url` (refused, unknown host, timeout), or it refuses the key (401).
     """
     url = base_url + "/v1/models"
     try:
-        async with asyncio.timeout(timeout_s), session.get(url) as response:
+        async with asyncio.timeout(timeout_s), session.get(url, headers=auth_headers(api_key)) as response:
+            if response.status == 401:
+                raise ServerError(f"{url} answered 401: pass a valid --api-key")
             if response.status != 200:
                 return []
             body = await response.json(content_type=None)
@@ -106,10 +120,10 @@ async def fetch_model_ids(session: aiohttp.ClientSession, base_url: str, timeout
     return [m["id"] for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
-async def resolve_model(base_url: str, model: str | None) -> str:
+async def resolve_model(base_url: str, model: str | None, api_key: str = "") -> str:
     """`model`, or the first id of GET /v1/models; either way the server must answer. Raises ServerError."""
     async with aiohttp.ClientSession() as session:
-        model_ids = await fetch_model_ids(session, base_url)
+        model_ids = await fetch_model_ids(session, base_url, api_key=api_key)
     if model:
         return model
     if not model_ids:
@@ -131,7 +145,7 @@ async def send_request(
         body = request_body(planned, options)
         record.send_s = time.perf_counter() - t0
         async with asyncio.timeout(options.request_timeout_s):
-            async with session.post(options.endpoint, json=body) as response:
+            async with session.post(options.endpoint, json=body, headers=options.headers) as response:
                 record.status = response.status
                 if response.status != 200:
                     record.error = f"HTTP {response.status}: {_error_message(await response.read())}"

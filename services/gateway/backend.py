@@ -88,7 +88,7 @@ class _NatsEventStream:
         subscription, self.subscription = self.subscription, None
         if subscription is None:
             return
-        self.backend.num_open_streams -= 1
+        self.backend.streams.pop(self.request_id, None)
         try:
             await subscription.unsubscribe()
         except Exception as exc:  # a closed connection has no subscriptions left to leak
@@ -96,7 +96,8 @@ class _NatsEventStream:
 
 
 class NatsBackend:
-    """`Backend` over NATS: `sched.submit` request/reply, `stream.<id>` subscriptions, `cancel`, heartbeats.
+    """`Backend` over NATS: `sched.submit` request/reply, `stream.<id>` subscriptions, the scheduler's failures of
+    requests whose instance was lost (`sched.failed`, delivered to their streams), `cancel`, heartbeats.
 
     Args:
         bus: a connected bus.
@@ -108,18 +109,30 @@ class NatsBackend:
         self.bus = bus
         self.live = LiveInstances(instance_timeout_s)
         self.submit_timeout_s = submit_timeout_s
-        self.num_open_streams = 0
-        self._heartbeats: Subscription | None = None
+        self.streams: dict[str, _NatsEventStream] = {}  # open, by request id
+        self._subscriptions: list[Subscription] = []
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self.streams)
 
     async def start(self) -> None:
-        """Start following heartbeats."""
-        self._heartbeats = await self.bus.serve(self.bus.subjects.heartbeat_all, self._on_heartbeat, kinds=(Heartbeat,),
-                                                bind_sender=True)
+        """Start following heartbeats and the scheduler's failures."""
+        subjects = self.bus.subjects
+        self._subscriptions = [
+            await self.bus.serve(subjects.heartbeat_all, self._on_heartbeat, kinds=(Heartbeat,), bind_sender=True),
+            await self.bus.serve(subjects.failed, self._on_failure, kinds=(StreamEvent,)),
+        ]
 
     async def stop(self) -> None:
-        if self._heartbeats is not None:
-            await self._heartbeats.unsubscribe()
-            self._heartbeats = None
+        for subscription in self._subscriptions:
+            await subscription.unsubscribe()
+        self._subscriptions = []
+
+    async def _on_failure(self, msg: Message) -> None:
+        stream = self.streams.get(msg.request_id) if isinstance(msg, StreamEvent) and msg.error_type else None
+        if stream is not None:
+            await stream.on_message(msg)
 
     async def _on_heartbeat(self, msg: Message) -> None:
         if isinstance(msg, Heartbeat):
@@ -129,8 +142,9 @@ class NatsBackend:
     async def open_stream(self, request_id: str) -> EventStream:
         stream = _NatsEventStream(self, request_id)
         # serve() flushes: the server holds the subscription before the submit that triggers publishing.
-        stream.subscription = await self.bus.serve(self.bus.subjects.stream(request_id), stream.on_message)
-        self.num_open_streams += 1
+        stream.subscription = await self.bus.serve(self.bus.subjects.stream(request_id), stream.on_message,
+                                                   kinds=(StreamEvent,))
+        self.streams[request_id] = stream
         return stream
 
     async def submit(self, request: SubmitRequest) -> SubmitReply:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -20,6 +22,9 @@ from shared.protocol import ErrorType, StreamEvent, SubmitRequest
 log = get_logger(__name__)
 MAX_BUFFERED_EVENTS = 4096  # out-of-order events held back; more means a publisher is broken
 MIN_WAIT_S = 0.01  # a wait of 0 would not even look at events already queued
+# Events from prefill and decode may pass each other by milliseconds; later ones held back this long mean the one
+# before them was lost in transit (a NATS restart), and it will never come.
+STREAM_GAP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,21 @@ class Reorderer:
     """Releases `StreamEvent`s in `index` order; failures pass at once, duplicates of released tokens are dropped.
 
     At one index a token-less event (trailing text, a bare finish) goes before the tokens that start there.
+
+    Args:
+        clock: monotonic seconds, for how long a gap has held events back (tests pass their own).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.next_index = 0
         self._heap: list[tuple[int, bool, int, StreamEvent]] = []
         self._arrival = itertools.count()
+        self.clock = clock
+        self._gap_since: float | None = None  # when events began to wait for a gap before them
+
+    def gap_s(self) -> float:
+        """How long events have waited for an earlier one that has not come (0: none wait)."""
+        return 0.0 if self._gap_since is None else self.clock() - self._gap_since
 
     def push(self, event: StreamEvent) -> list[StreamEvent]:
         """Raises ApiError (500) when too many events wait for a gap that never fills."""
@@ -68,6 +82,10 @@ class Reorderer:
                 continue  # a duplicate that arrived while its first copy was still buffered
             ready.append(ready_event)
             self.next_index += len(ready_event.token_ids)
+        if not self._heap:
+            self._gap_since = None
+        elif ready or self._gap_since is None:
+            self._gap_since = self.clock()
         return ready
 
 
@@ -157,7 +175,14 @@ class Session:
             event = await self.stream.next_event(max(MIN_WAIT_S, self.watch.wait_s()))
             if event is not None:
                 self.watch.saw_event()
-                return self.reorderer.push(event)
+                ready = self.reorderer.push(event)
+                if ready or self.reorderer.gap_s() < STREAM_GAP_S:
+                    return ready
+            if self.reorderer.gap_s() >= STREAM_GAP_S:
+                log.warning("stream events lost", request_id=self.request_id, next_index=self.reorderer.next_index)
+                self.cancel_reason = "stream events lost"
+                raise for_status(502, f"tokens of the answer from index {self.reorderer.next_index} were lost in "
+                                      "transit (a NATS restart?); later ones arrived")
             if self._is_held():
                 self.watch.saw_held()
             verdict = self.watch.verdict()

@@ -238,6 +238,6 @@ class SchedulerService:
             event = StreamEvent.failure(
                 request_id, ErrorType.UNAVAILABLE, f"{beat.role} instance {beat.instance_id} stopped responding"
             )
-            await self.bus.publish(self.bus.subjects.stream(request_id), event)
+            await self.bus.publish(self.bus.subjects.failed, event)
             # Whatever survives of it elsewhere (a prefill still computing it) stops too.
             await self.bus.publish(self.bus.subjects.cancel, Cancel(request_id, event.error))

@@ -74,7 +74,7 @@ def _config_text(args: argparse.Namespace, secrets: Secrets) -> str:
 
 def _run_config(args: argparse.Namespace) -> int:
     try:
-        secrets = Secrets.read(args.secrets)
+        secrets = Secrets.read(args.secrets, with_block_key=False)
     except SecretsError as exc:
         raise CliError(str(exc)) from None
     _write(args.output, _config_text(args, secrets))
@@ -83,7 +83,7 @@ def _run_config(args: argparse.Namespace) -> int:
 
 def _run_serve(args: argparse.Namespace) -> int:
     try:
-        secrets = Secrets.from_env(os.environ)
+        secrets = Secrets.from_env(os.environ, with_block_key=False)  # the server needs only the passwords
         binary = str(find_nats_server())
     except (SecretsError, NatsServerError) as exc:
         raise CliError(str(exc)) from None

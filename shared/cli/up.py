@@ -166,6 +166,7 @@ def _run(
             topology, model_name, args.startup_timeout, stop,
             infra=Supervisor(infra_specs, log_dir, say=say),
             services=Supervisor(topology.process_specs(), log_dir, say=say), nats_port=nats_port,
+            needs_key=settings.api_keys_file is not None,
         )
         try:
             return session.serve()

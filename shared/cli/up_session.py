@@ -36,6 +36,7 @@ class Session:
     infra: Supervisor
     services: Supervisor
     nats_port: int | None  # the embedded server's, else None
+    needs_key: bool = False  # the gateway takes API keys: the example says how to send one
 
     def serve(self) -> int:
         """Start NATS, then the services; wait for health, announce, keep them running until `stop` is set.
@@ -53,7 +54,7 @@ class Session:
         health = _HealthProbe(f"{base_url}/health")
         if not self.wait_for(health.is_ok, self.startup_timeout_s):
             return self.gave_up(f"GET {health.url} -> {health.status} after {self.startup_timeout_s:.0f} s")
-        announce(base_url, self.model_name, self.services.log_dir)
+        announce(base_url, self.model_name, self.services.log_dir, self.needs_key)
         while not self.stop.wait(0.2):
             self.poll()
         return 0
@@ -109,10 +110,12 @@ class _HealthProbe:
         return False
 
 
-def announce(base_url: str, model_name: str, log_dir: Path) -> None:
+def announce(base_url: str, model_name: str, log_dir: Path, needs_key: bool = False) -> None:
     body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Say hello."}]})
     print(f"tsukimi is up: {base_url}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
-    print(f"  try: curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}")
+    key = " -H 'Authorization: Bearer <your API key>'" if needs_key else ""
+    print(f"  try: curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json'{key} "
+          f"-d {shlex.quote(body)}")
     print(f"  logs: {log_dir}", flush=True)
 
 

@@ -81,9 +81,11 @@ def decode(data: bytes, expected: type[T] | None = None) -> Any:
         kind, version, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"not a tsukimi message: {exc}") from None
-    cls = _REGISTRY.get(kind)
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
+        raise ProtocolError(f"unknown message kind {str(kind)[:40]!r}")
+    if type(version) is not int:
+        raise ProtocolError(f"{kind}: version {str(version)[:20]!r} is not an integer")
     if version > cls.VERSION:
         raise ProtocolError(f"{kind} version {version} is newer than this service understands ({cls.VERSION})")
     if expected is not None and cls is not expected:

@@ -31,6 +31,12 @@ class Subjects:
         return f"{self.prefix}.sched.heartbeat.>"
 
     @property
+    def failed(self) -> str:
+        """The scheduler's failures of requests whose instance was lost (only prefill and decode publish on a
+        request's own stream)."""
+        return f"{self.prefix}.sched.failed"
+
+    @property
     def cancel(self) -> str:
         return f"{self.prefix}.cancel"
 

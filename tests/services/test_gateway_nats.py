@@ -14,7 +14,7 @@ from gateway_fakes import MESSAGES, MODEL, model_info, sse_payloads, token_event
 from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.backend import NatsBackend
 from shared.bus import Bus
-from shared.protocol import Cancel, Heartbeat, Message, Subjects, SubmitReply, SubmitRequest
+from shared.protocol import Cancel, ErrorType, Heartbeat, Message, StreamEvent, Subjects, SubmitReply, SubmitRequest
 
 SUBJECTS = Subjects("gwtest")
 
@@ -106,6 +106,30 @@ async def test_gateway_over_nats_serves_streams_rejects_and_cancels(nats_url: st
         assert cluster.cancels[0].request_id == dropped.headers["X-Request-Id"]
         left = [sub.subject for sub in backend.bus.client._subs.values()]
         assert SUBJECTS.heartbeat_all in left and not [s for s in left if s.startswith(SUBJECTS.stream(""))], left
+
+
+async def test_the_schedulers_failures_reach_their_clients(nats_url: str, checkpoint: Any) -> None:
+    """An instance died holding the request: the scheduler says so on `sched.failed` (it may not publish on the
+    request's own stream), and the client gets the 503 at once."""
+    async with gateway_over_nats(nats_url, checkpoint) as (client, backend, cluster):
+        async def accept_then_lose(msg: Message) -> Message:
+            assert isinstance(msg, SubmitRequest)
+            failure = StreamEvent.failure(msg.request_id, ErrorType.UNAVAILABLE, "decode-0 stopped responding")
+            cluster.tasks.append(asyncio.create_task(_later(cluster.bus.publish(SUBJECTS.failed, failure))))
+            return SubmitReply(msg.request_id, True, "prefill-0", "decode-0")
+
+        await cluster.bus.serve(SUBJECTS.submit, accept_then_lose)
+        await cluster.beat()
+        await _eventually(lambda: backend.num_alive("decode") == 1)
+        lost = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+        assert lost.status == 503 and "decode-0 stopped responding" in (await lost.json())["error"]["message"]
+        await cluster.bus.publish(SUBJECTS.failed, StreamEvent.failure("nobody", ErrorType.UNAVAILABLE, "x"))
+        await _eventually(lambda: backend.num_open_streams == 0)
+
+
+async def _later(publishing: Any) -> None:
+    await asyncio.sleep(0.05)  # after the reply
+    await publishing
 
 
 async def _eventually(condition: Any, timeout_s: float = 5.0) -> None:

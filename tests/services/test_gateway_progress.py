@@ -8,8 +8,10 @@ from typing import Any
 from gateway_fakes import MESSAGES, MODEL, FakeBackend, serving, sse_payloads, token_events
 from test_gateway_errors import assert_error
 
+from services.gateway import session as session_module
 from services.gateway.app import GatewayConfig
 from services.gateway.progress import MAX_CHECK_S, ProgressWatch, Verdict
+from services.gateway.session import Reorderer
 from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
 
 CHAT = {"model": MODEL, "messages": MESSAGES}
@@ -130,3 +132,35 @@ async def test_an_abort_reaches_the_client_as_an_error(checkpoint: Any) -> None:
         assert "aborted" in payloads[-2]["error"]["message"]
         whole = await client.post("/v1/chat/completions", json=CHAT)
         assert whole.status == 503
+
+
+def test_a_gap_is_timed_from_when_events_began_to_wait_for_it() -> None:
+    clock = Clock()
+    reorder = Reorderer(clock)
+    event = token_events("r", ["a", "b", "c", "d"], finish="")
+    assert reorder.push(event[0]) == [event[0]] and reorder.gap_s() == 0.0
+    assert reorder.push(event[2]) == [] and reorder.gap_s() == 0.0  # index 1 is missing from now
+    clock.now += 6.0
+    assert reorder.gap_s() == 6.0
+    assert reorder.push(event[3]) == [] and reorder.gap_s() == 6.0  # still waiting for the same one
+    assert reorder.push(event[1]) == [event[1], event[2], event[3]] and reorder.gap_s() == 0.0
+
+
+async def test_events_lost_in_transit_end_the_request_with_a_502(checkpoint: Any, monkeypatch: Any) -> None:
+    """A NATS restart loses the event of token 1; tokens 2 and 3 arrive: the gap will never fill."""
+    monkeypatch.setattr(session_module, "STREAM_GAP_S", 0.3)
+    backend = FakeBackend()
+
+    def with_a_hole(request: SubmitRequest) -> tuple[SubmitReply, list[StreamEvent]]:
+        backend.beats.append(Heartbeat("decode-0", "decode", 1, 0.0, request_ids=[request.request_id]))
+        events = token_events(request.request_id, ["a", "b", "c", "d"], finish="")
+        return SubmitReply(request.request_id, True), [events[0], events[2], events[3]]
+
+    backend.script = with_a_hole
+    async with serving(checkpoint, backend, QUICK) as (client, _):
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        payloads = sse_payloads(await resp.text())
+    assert [p["choices"][0]["delta"].get("content") for p in payloads[:2]] == ["", "a"]
+    assert_error(payloads[2], code="kv_transfer")
+    assert "lost in transit" in payloads[2]["error"]["message"]
+    assert [reason for _, reason in backend.cancels] == ["stream events lost"]

@@ -35,6 +35,7 @@ class FakeOpenAI:
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.authorizations: list[str | None] = []
         self.num_in_flight = 0
         self.max_in_flight = 0
         self.num_started = 0
@@ -53,6 +54,7 @@ class FakeOpenAI:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
         mode = body.get("fake", "ok")
         if mode == "reject":
             error = {"message": "the cluster is busy", "type": "rate_limit_error", "param": None, "code": "x"}
@@ -192,6 +194,13 @@ async def test_chat_sends_text_and_skips_the_role_chunk(server: ServerThread) ->
     assert record.is_completed and len(record.chunk_times_s) == 2
     body = server.fake.bodies[0]
     assert body["messages"] == [{"role": "user", "content": "ba ko ti"}] and "prompt" not in body
+
+
+async def test_an_api_key_goes_as_a_bearer_token_and_none_without_one(server: ServerThread) -> None:
+    assert (await _send(server.url, _planned(), api_key="tsk-secret")).is_completed
+    assert (await _send(server.url, _planned())).is_completed
+    assert server.fake.authorizations == ["Bearer tsk-secret", None]
+    assert "tsk-secret" not in repr(ClientOptions(server.url, MODEL, api_key="tsk-secret"))
 
 
 async def test_a_429_is_a_rejection_with_the_openai_message(server: ServerThread) -> None:

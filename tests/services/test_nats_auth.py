@@ -25,7 +25,8 @@ ADMIN = ExtraUser("watcher", "watcher-password-0123456789")
 TABLE: dict[str, tuple[set[str], set[str]]] = {
     "t.sched.submit": ({"gateway"}, {"scheduler"}),
     "t.cancel": ({"gateway", "scheduler"}, {"scheduler", "prefill", "decode"}),
-    "t.stream.r1": ({"prefill", "decode", "scheduler"}, {"gateway"}),
+    "t.stream.r1": ({"prefill", "decode"}, {"gateway"}),
+    "t.sched.failed": ({"scheduler"}, {"gateway"}),
     "t.prefill.p0.run": ({"scheduler"}, {"prefill"}),
     "t.decode.d0.run": ({"scheduler", "prefill"}, {"decode"}),
     "t.decode.d0.kv": ({"prefill"}, {"decode"}),

@@ -187,3 +187,10 @@ def test_values_no_sender_makes_are_refused(cls: type[Message], changes: dict[st
     fields = msgpack.unpackb(encode(_example(cls)), raw=False)[2] | changes
     with pytest.raises(ProtocolError, match=complaint):
         decode(msgpack.packb([cls.KIND, cls.VERSION, fields]))
+
+
+@pytest.mark.parametrize("envelope", [[["submit"], 1, {}], [{"k": 1}, 1, {}], ["cancel", "1", {"request_id": "r"}],
+                                      ["cancel", [1], {"request_id": "r"}], [None, None, None], [1, 2, 3]])
+def test_an_envelope_of_the_wrong_shape_is_a_protocol_error(envelope: list[object]) -> None:
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(envelope))

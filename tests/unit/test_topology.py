@@ -59,6 +59,9 @@ def test_every_design_service_and_nats_are_in_the_compose_file() -> None:
     roles = {name.rsplit("-", 1)[0] if name.startswith("cache-store-") else name for name in services}
     assert roles == DESIGN_SERVICES | {"nats"}
     assert services["gateway"]["ports"] == ["8000:8000"]
+    # on every interface, so with API keys: the host's file (API_KEYS_FILE, default ./api-keys.json), read-only
+    assert services["gateway"]["environment"]["TSUKIMI_API_KEYS_FILE"] == "/run/tsukimi/api-keys.json"
+    assert services["gateway"]["volumes"] == ["${API_KEYS_FILE:-./api-keys.json}:/run/tsukimi/api-keys.json:ro"]
     # mode stated: podman-compose ignores deploy.replicas without it.
     assert services["prefill"]["deploy"] == services["decode"]["deploy"] == {"mode": "replicated", "replicas": 1}
     assert services["cache-store-0"]["volumes"] == ["cache-store-0-ssd:/var/lib/tsukimi/ssd"]
