@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine_host import EngineHost, load_engine
+from services.warmup import time_decode_steps
 from shared.bus import Bus, run_service
 from shared.config import Settings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
@@ -82,6 +83,7 @@ class DecodeService:
         self.receiver = KvReceiver(settings.kv_deadline_s, settings.kv_buffer_bytes, settings.request_timeout_s)
         self.profiles = ProfileParts()  # FastGen profiles that follow some prompts' KV
         self._kv_saved_bytes = 0  # what FastGen does not hold now, over the running requests (engine thread's)
+        self._num_prompt_tokens_left = 0  # of prompts being prefilled here, still to compute (engine thread's)
         self._waiting: dict[str, _Waiting] = {}  # DecodeTask in, KV not complete yet
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
@@ -94,6 +96,10 @@ class DecodeService:
         self._deadline_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        if self.settings.warmup and self.settings.engine_kind == "real":  # the first heartbeat carries them
+            samples = await self.host.call(time_decode_steps, self.engine)
+            with self._lock:
+                self._samples += samples
         s, me = self.bus.subjects, self.settings.instance_id
         await self.bus.serve(s.decode_kv(me), self.handle_message, kinds=(KvChunk, FastGenProfilePart))
         await self.bus.serve(s.decode_run(me), self.handle_message,
@@ -121,8 +127,10 @@ class DecodeService:
             running, ready = list(self._running), [r.request_id for r in self._ready]
             ready += [task.request_id for task, _ in self._prompts]
             samples, self._samples = self._samples, []
+            local = sum(len(task.prompt_ids) for task, _ in self._prompts) + self._num_prompt_tokens_left
         return Load(
-            num_running=len(running), num_waiting=len(self._waiting) + len(ready),
+            num_running=len(running), num_waiting=len(self._waiting) + len(ready), num_queued_tokens=local,
+            max_num_seqs=self.engine.runner.max_num_seqs,
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=[*running, *self._waiting, *ready, *self.receiver.request_ids()], samples=samples,
             block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
@@ -279,9 +287,13 @@ class DecodeService:
         failures = self._admit_prompts() + self._admit_ready()
         outputs = self._timed_step() if self.engine.has_unfinished() else []
         fastgen = self.engine.fastgen
+        scheduler = self.engine.scheduler
+        prompts_left = sum(s.num_uncomputed_tokens for s in [*scheduler.running, *scheduler.waiting]
+                           if s.num_uncomputed_tokens > 1)
         with self._lock:
             self._running.difference_update(out.request_id for out in outputs if out.finished)
             self._kv_saved_bytes = 0 if fastgen is None else fastgen.total_bytes_saved()
+            self._num_prompt_tokens_left = prompts_left
         return [*failures, *outputs], self.engine.has_unfinished()
 
     def _timed_step(self) -> list[RequestOutput]:

@@ -75,8 +75,12 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_FASTGEN_WIDER_LOCAL", "0.5,0.7", "FastGen: wider windows tried before the full cache (none)"),
         EnvVar("TSUKIMI_FASTGEN_FREQUENT_ALONE", "off", "FastGen: heavy hitters without the window are a policy"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
-        EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "2048", "tokens per forward step (the prefill chunk)"),
+        EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "512",
+               "tokens per forward step (the prefill chunk; on CPU a token costs the same from ~256 a step up, and "
+               "smaller steps finish prompts sooner and interleave shorter; GPUs want more)"),
         EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
+        EnvVar("TSUKIMI_WARMUP", "on",
+               "prefill and decode time a few steps of their own before serving, for the scheduler's cost models"),
         EnvVar("TSUKIMI_INSTANCE_TIMEOUT_S", "2.5", "an instance silent this long is forgotten by the scheduler"),
         EnvVar("TSUKIMI_KV_DEADLINE_S", "10", "decode fails a request whose KV stream stalls this long"),
         EnvVar("TSUKIMI_KV_CHUNK_KB", "256", "largest KV payload per NATS message, KiB"),
@@ -135,6 +139,7 @@ class Settings:
     sim_profile: str
     deployment: str  # "disaggregated" or "colocated"
     heartbeat_s: float
+    warmup: bool
     instance_timeout_s: float
     kv_deadline_s: float
     kv_chunk_bytes: int
@@ -238,6 +243,7 @@ def load_settings(
         sim_profile=get.choice("TSUKIMI_SIM_PROFILE", tuple(PROFILES)),
         deployment=deployment,
         heartbeat_s=get.number("TSUKIMI_HEARTBEAT_S", minimum=0.05),
+        warmup=get.switch("TSUKIMI_WARMUP"),
         instance_timeout_s=get.number("TSUKIMI_INSTANCE_TIMEOUT_S", minimum=0.1),
         kv_deadline_s=get.number("TSUKIMI_KV_DEADLINE_S", minimum=0.1),
         kv_chunk_bytes=get.integer("TSUKIMI_KV_CHUNK_KB", minimum=1) << 10,

@@ -40,6 +40,7 @@ class Load:
     kv_moved_bytes: int = 0
     kv_moved_tokens: int = 0
     kv_saved_bytes: int = 0
+    max_num_seqs: int = 0
 
 
 class HeartbeatSender:

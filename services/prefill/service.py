@@ -19,6 +19,7 @@ from services.engine_host import EngineHost
 from services.prefill.events import KvEventLog
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
+from services.warmup import time_prefill_steps
 from shared.blocks import block_hashes
 from shared.bus import Bus
 from shared.cache.client import CacheClient
@@ -102,6 +103,9 @@ class PrefillService:
             engine.fastgen.moves_to_lanes = False
 
     async def start(self) -> None:
+        if self.settings.warmup and self.settings.engine_kind == "real":  # the first heartbeat carries them
+            for stats in await self.host.call(time_prefill_steps, self.engine):
+                self.samples.add(stats)
         subjects, me = self.bus.subjects, self.settings.instance_id
         await self.bus.serve(subjects.prefill_run(me), self.handle_task, kinds=(PrefillTask,))
         await self.bus.serve(subjects.cancel, self.handle_cancel, kinds=(Cancel,))
@@ -134,7 +138,7 @@ class PrefillService:
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
             block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
-            kv_moved_tokens=self._moved_tokens,
+            kv_moved_tokens=self._moved_tokens, max_num_seqs=self.engine.runner.max_num_seqs,
         )
 
     async def handle_task(self, msg: Message) -> None:

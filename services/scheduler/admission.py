@@ -48,13 +48,16 @@ def admit(request: SubmitRequest, placement: Placement, view: ClusterView, slos:
         )
     decode = next(b for b in view.decodes if b.instance_id == placement.decode_id)
     at_time = view.now + ttft if slos.mode == "predicted" else None
-    tbt = view.tbt_s(decode, at_time, len(request.prompt_ids))
+    ends = [t.decode_end for t in view.tracked.values() if t.decode_id == decode.instance_id]
+    retry_after_s = max(1.0, min(ends, default=view.now + 1.0) - view.now)
+    if not view.has_seat(decode, at_time):
+        return Verdict(False, "tbt_slo", f"overloaded: {decode.instance_id}'s batch is full ({decode.max_num_seqs} "
+                                         "sequences); the request would wait there for one to finish", retry_after_s)
+    tbt = view.judged_tbt_s(decode, at_time, request)
     if tbt > tbt_slo:
-        ends = [t.decode_end for t in view.tracked.values() if t.decode_id == decode.instance_id]
         return Verdict(
             False, "tbt_slo",
-            f"overloaded: predicted time between tokens {1000 * tbt:.0f} ms on {decode.instance_id} exceeds the SLO "
-            f"of {1000 * tbt_slo:.0f} ms",
-            retry_after_s=max(1.0, min(ends, default=view.now + 1.0) - view.now),
+            f"overloaded: predicted time between tokens {1000 * tbt:.0f} ms on {decode.instance_id} (its slowest "
+            f"tenth of gaps) exceeds the SLO of {1000 * tbt_slo:.0f} ms", retry_after_s,
         )
     return Verdict(True)

@@ -120,6 +120,14 @@ class PrefillCostModel:
         num_new = max(num_tokens - num_reused, 0)
         return self.model.predict(num_new, attention_work(num_tokens, num_reused)) if num_new else 0.0
 
+    def steps_s(self, num_tokens: int, step_tokens: int) -> float:
+        """Seconds to compute `num_tokens` of queued prompts in steps of at most `step_tokens` each (the attention
+        of each step as of one prompt: an upper bound when many short prompts share it)."""
+        if num_tokens <= 0:
+            return 0.0
+        num_full, rest = divmod(num_tokens, step_tokens)
+        return num_full * self.predict(step_tokens, 0) + (self.predict(rest, 0) if rest else 0.0)
+
 
 class DecodeCostModel:
     """Predicts a decode step's seconds (the time between tokens) from batch size and total context."""

@@ -27,6 +27,7 @@ class Tracked:
     placed_at: float  # unix seconds
     decode_start: float  # predicted unix time of its first decode step
     decode_end: float  # predicted unix time of its last token (max_tokens at the predicted TBT)
+    num_new_tokens: int = 0  # of its prompt, to compute on its prefill instance (not reused)
 
 
 @dataclass
@@ -62,16 +63,16 @@ class ClusterView:
     block_size: int
     balance_ratio: float
     now: float = field(default_factory=time.time)
+    max_batched_tokens: int = 2048  # a step's token budget (TSUKIMI_MAX_BATCHED_TOKENS): a prefill chunk's most
 
     # ---- prefill ------------------------------------------------------------------------------------------------
 
     def queue_s(self, beat: Heartbeat) -> float:
         """Predicted seconds of prefill work ahead at this instance: what its heartbeat reports plus what was placed
-        there since (not in the heartbeat yet)."""
-        queued = beat.num_queued_tokens
-        since = sum(t.prefill_s for t in self.tracked.values()
+        there since (not in the heartbeat yet), computed in steps of the token budget (prompts share a step)."""
+        since = sum(t.num_new_tokens for t in self.tracked.values()
                     if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at)
-        return (self.prefill_cost.predict(queued, 0) if queued else 0.0) + since
+        return self.prefill_cost.steps_s(beat.num_queued_tokens + since, self.max_batched_tokens)
 
     def prefill_option(self, beat: Heartbeat, request: SubmitRequest, use_pool: bool) -> PrefillOption:
         """TTFT on one prefill instance; with `use_pool`, fetch the pool's prefix when it is `balance_ratio` times
@@ -84,9 +85,12 @@ class ClusterView:
         reused = (pool if fetch else local) * self.block_size
         fetch_bytes = (pool - local) * beat.block_bytes if fetch else 0
         rate = beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S
+        queue = self.queue_s(beat)
+        if queue > 0:  # a prompt's first token comes at the end of its step, which the prompts after it share
+            queue += self.prefill_cost.predict(self.max_batched_tokens, 0)
         return PrefillOption(
-            beat.instance_id, local, pool, fetch, self.queue_s(beat),
-            self.prefill_cost.predict(len(request.prompt_ids), reused), fetch_bytes / rate,
+            beat.instance_id, local, pool, fetch, queue, self.prefill_cost.predict(len(request.prompt_ids), reused),
+            fetch_bytes / rate,
         )
 
     def transfer_s(self, request: SubmitRequest, beat: Heartbeat) -> float:
@@ -113,3 +117,37 @@ class ClusterView:
         batch = self.decode_batch(beat, at_time) + 1
         context = beat.kv_blocks_used * self.block_size + extra_tokens
         return self.decode_cost.predict(batch, context)
+
+    def local_prefill_tokens(self, beat: Heartbeat) -> int:
+        """Prompt tokens waiting to be computed on this decode instance itself: what its heartbeat reports, plus the
+        prompts placed there since."""
+        since = sum(t.num_tokens for t in self.tracked.values()
+                    if t.prefill_id == t.decode_id == beat.instance_id and t.placed_at > beat.sent_at)
+        return beat.num_queued_tokens + since
+
+    def interleaved_step_s(self, beat: Heartbeat, at_time: float | None, extra_tokens: int,
+                           prefill_tokens: int) -> float:
+        """A step of this decode instance (with this request added) that also computes a chunk of the prompts
+        queued there: every request decoding there sees it as one gap."""
+        chunk = min(prefill_tokens, self.max_batched_tokens)
+        return self.tbt_s(beat, at_time, extra_tokens) + (self.prefill_cost.predict(chunk, 0) if chunk else 0.0)
+
+    def judged_tbt_s(self, beat: Heartbeat, at_time: float | None, request: SubmitRequest) -> float:
+        """The TBT an SLO judges, predicted: the mean of the slowest tenth of the request's gaps. Its slowest are its
+        first (it joins after the step in progress, then its own runs: two steps), and the steps that compute the
+        prompts queued on the instance, a chunk of the token budget each; the others are plain steps."""
+        step = self.tbt_s(beat, at_time, len(request.prompt_ids))
+        num_slowest = -(-max(request.sampling.max_tokens - 1, 1) // 10)  # ceil(gaps / 10)
+        gaps = [2 * step]
+        queued = self.local_prefill_tokens(beat)
+        while queued > 0 and len(gaps) < num_slowest:
+            chunk = min(queued, self.max_batched_tokens)
+            gaps.append(step + self.prefill_cost.predict(chunk, 0))
+            queued -= chunk
+        gaps += [step] * (num_slowest - len(gaps))
+        return sum(sorted(gaps, reverse=True)[:num_slowest]) / num_slowest
+
+    def has_seat(self, beat: Heartbeat, at_time: float | None) -> bool:
+        """The instance's batch has room for one more sequence (now, or at `at_time`); without one the request would
+        wait there for a sequence to finish."""
+        return not beat.max_num_seqs or self.decode_batch(beat, at_time) < beat.max_num_seqs

@@ -126,14 +126,18 @@ class ConductorPolicy:
 
     def _prefill_on_decode(self, request: SubmitRequest, view: ClusterView, best: PrefillOption,
                            decode: Heartbeat) -> PrefillOption | None:
-        """Moving KV costs more than computing a short prompt where it is decoded, when the prefill pool is busy."""
+        """Moving KV costs more than computing a short prompt where it is decoded, when the prefill pool is busy; but
+        the step that computes it (with the prompts queued there before it) is a gap every request decoding there
+        sees, and must fit the TBT SLO."""
         num_tokens = len(request.prompt_ids)
-        if num_tokens > self.local_prefill_tokens:
+        if num_tokens > self.local_prefill_tokens or not view.has_seat(decode, None):
+            return None
+        queued = view.local_prefill_tokens(decode)
+        if view.interleaved_step_s(decode, None, num_tokens, queued + num_tokens) > self.tbt_slo_s:
             return None
         compute = view.prefill_cost.predict(num_tokens, 0)
-        if compute > 0.5 * self.tbt_slo_s:
-            return None
-        wait = view.tbt_s(decode, None, num_tokens)  # it joins the decode instance's next step
+        # it joins the instance's next step, behind the prompts queued there
+        wait = view.tbt_s(decode, None, num_tokens) + (view.prefill_cost.predict(queued, 0) if queued else 0.0)
         prefill_route = best.ttft_s + view.transfer_s(request, decode)
         if wait + compute >= prefill_route:
             return None

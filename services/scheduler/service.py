@@ -107,6 +107,7 @@ class SchedulerService:
             self.instances.alive(Role.PREFILL), self.instances.alive(Role.DECODE),
             [b.instance_id for b in self.instances.alive(Role.CACHE_STORE)], self.index, self.prefill_cost,
             self.decode_cost, self.tracked, self.settings.engine.block_size, self.settings.cache_balance_ratio,
+            max_batched_tokens=self.settings.engine.max_num_batched_tokens,
         )
 
     async def handle_submit(self, msg: Message) -> SubmitReply:
@@ -148,6 +149,7 @@ class SchedulerService:
         self.tracked[msg.request_id] = Tracked(
             msg.request_id, option.instance_id, placement.decode_id, len(msg.prompt_ids), option.compute_s, now,
             decode_start, decode_start + msg.sampling.max_tokens * placement.tbt_s,
+            len(msg.prompt_ids) - option.num_reused_blocks * self.settings.engine.block_size,
         )
         if not placement.on_decode:  # decode may then buffer this request's KV beyond its share for strangers
             expect = ExpectHandoff(msg.request_id, option.instance_id, len(msg.prompt_ids))

@@ -168,7 +168,7 @@ def _heartbeat(msg: Heartbeat) -> None:
                   block_bytes=msg.block_bytes, kv_block_tokens=msg.kv_block_tokens,
                   kv_stored_bytes=msg.kv_stored_bytes, kv_stored_blocks=msg.kv_stored_blocks,
                   kv_moved_bytes=msg.kv_moved_bytes, kv_moved_tokens=msg.kv_moved_tokens,
-                  kv_saved_bytes=msg.kv_saved_bytes)
+                  kv_saved_bytes=msg.kv_saved_bytes, max_num_seqs=msg.max_num_seqs)
     for request_id in msg.request_ids:
         _request_id(msg.KIND, request_id)
     ok = all(len(s) == 3 and all(math.isfinite(v) and v >= 0 for v in s) for s in msg.samples)

@@ -274,6 +274,7 @@ class Heartbeat(Message):
     kv_moved_bytes: int = 0
     kv_moved_tokens: int = 0
     kv_saved_bytes: int = 0  # decode with FastGen: KV bytes its running requests do not hold (against full caches)
+    max_num_seqs: int = 0  # prefill and decode: the most sequences a step runs (0: not reported)
 
 
 @message("kv-event")

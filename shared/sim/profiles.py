@@ -95,7 +95,8 @@ PROFILES: dict[str, SimProfile] = {
 # What a sim system runs with unless the environment says otherwise: Mooncake's 512-token KV blocks (also the trace's
 # hash granularity), vLLM's default batch limit of 256 sequences, and a cache-store with a DRAM tier of 1 TiB a shard
 # (an A800 node's memory; size-only blocks allocate nothing).
-SIM_ENV_DEFAULTS = {"TSUKIMI_BLOCK_SIZE": "512", "TSUKIMI_MAX_NUM_SEQS": "256", "TSUKIMI_CACHE_DRAM_MB": str(1 << 20)}
+SIM_ENV_DEFAULTS = {"TSUKIMI_BLOCK_SIZE": "512", "TSUKIMI_MAX_NUM_SEQS": "256", "TSUKIMI_CACHE_DRAM_MB": str(1 << 20),
+                    "TSUKIMI_MAX_BATCHED_TOKENS": "2048"}  # GPU nodes: the chunk Mooncake's and vLLM's setups use
 
 
 def get_profile(name: str) -> SimProfile:

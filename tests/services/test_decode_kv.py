@@ -42,7 +42,7 @@ NUM_PROMPT = 40
 async def service(nats_url: str, checkpoint) -> AsyncIterator[DecodeService]:
     settings = load_settings("decode", {
         "TSUKIMI_NATS_URL": nats_url, "TSUKIMI_SUBJECT_PREFIX": PREFIX, "TSUKIMI_INSTANCE_ID": "d0",
-        "TSUKIMI_KV_DEADLINE_S": "1", "TSUKIMI_HEARTBEAT_S": "0.2",
+        "TSUKIMI_KV_DEADLINE_S": "1", "TSUKIMI_HEARTBEAT_S": "0.2", "TSUKIMI_WARMUP": "off",
     })
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", kv_cache_bytes=32 << 20, block_size=16))
     bus = await Bus.connect(nats_url, "decode", Subjects(PREFIX))

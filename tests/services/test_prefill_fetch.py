@@ -123,7 +123,7 @@ class World:
     async def prefill(self, instance_id: str, engine: LLMEngine) -> PrefillService:
         settings = load_settings("prefill", {
             "TSUKIMI_SUBJECT_PREFIX": PREFIX, "TSUKIMI_INSTANCE_ID": instance_id, "TSUKIMI_HEARTBEAT_S": "30",
-            "TSUKIMI_KV_CHUNK_KB": "64",
+            "TSUKIMI_KV_CHUNK_KB": "64", "TSUKIMI_WARMUP": "off",  # its steps are timed elsewhere
         })
         service = PrefillService(settings, self.bus, engine, CacheClient(self.bus, 1))
         await service.start()

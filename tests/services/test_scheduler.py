@@ -145,10 +145,10 @@ async def test_predicted_mode_admits_what_current_load_would_refuse() -> None:
     """Decode is full now, but its requests finish before this long prompt would reach it."""
     results = {}
     for mode in ("current", "predicted"):
-        scheduler, _, _ = _service(TSUKIMI_REJECTION=mode, TSUKIMI_SLO_TBT_MS="90", TSUKIMI_SLO_TTFT_MS="60000")
+        scheduler, _, _ = _service(TSUKIMI_REJECTION=mode, TSUKIMI_SLO_TBT_MS="140", TSUKIMI_SLO_TTFT_MS="60000")
         await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE))
-        for i in range(12):  # short prompts with 2 tokens each: decoding soon, done soon
-            assert (await scheduler.handle_submit(_submit(f"s{i}", 20, max_tokens=2))).accepted
+        for i in range(12):  # short prompts with 21 tokens each: decoding soon, done soon
+            assert (await scheduler.handle_submit(_submit(f"s{i}", 20, max_tokens=21))).accepted
         reply = await scheduler.handle_submit(_submit("long", 4000))  # ~13 s of prefill before decode
         results[mode] = reply
     assert not results["current"].accepted and results["current"].reason_code == "tbt_slo"
