@@ -51,10 +51,9 @@ async def run(url: str, num_blocks: int, rounds: int) -> dict[str, list[tuple[fl
     settings = load_settings("cache-store", environ={
         "TSUKIMI_NATS_URL": url, "TSUKIMI_SUBJECT_PREFIX": prefix, "TSUKIMI_INSTANCE_ID": "cache-0",
         "TSUKIMI_CACHE_DRAM_MB": str(4 * num_blocks * BLOCK_BYTES >> 20)})
-    store_bus, client_bus = (await Bus.connect(url, name, Subjects(prefix)) for name in ("store", "client"))
-    store = CacheStoreService(settings, await store_bus)
+    store = CacheStoreService(settings, await Bus.connect(url, "store", Subjects(prefix)))
     await store.start()
-    bus = await client_bus
+    bus = await Bus.connect(url, "client", Subjects(prefix))
     clients = {"unsigned": CacheClient(bus, 1, hot_gets=0), "signed": CacheClient(bus, 1, hot_gets=0,
                                                                                   signer=BlockSigner(KEY))}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in clients}

@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 from shared.block_checks import InvariantChecks
 from shared.block_hash import block_hashes, chain_hash, hash_block, le_bytes, make_namespace, u32_tokens
 
-__all__ = [
-    "REMOVED", "STORED", "BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks",
-    "block_hashes", "hash_block", "make_namespace",
-]
+__all__ = ["REMOVED", "STORED", "BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks", "block_hashes",
+           "hash_block", "make_namespace"]
 
 STORED, REMOVED = "stored", "removed"  # BlockManager event kinds, named as the KvEvent kinds they become
 # Called with (STORED or REMOVED, block hashes) each time blocks enter or leave the prefix-cache index.
