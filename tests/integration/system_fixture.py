@@ -90,8 +90,9 @@ def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> Syst
     env |= {"TSUKIMI_KV_CACHE_MB": "64", "TSUKIMI_CACHE_DRAM_MB": "256", "TSUKIMI_NUM_THREADS": "1",
             "TSUKIMI_HEARTBEAT_S": "0.3", "TSUKIMI_KV_COMPRESS": "on",  # exercise the LZ4 path end to end
             # these tests are about function, not overload: on a busy 2-core CI machine the Conductor once predicted
-            # a 100 s first token and turned a request away (429) under the 10 s default (test_faults sets its own)
-            "TSUKIMI_SLO_TTFT_MS": "600000"}
+            # a 100 s first token, and once a 1.4 s gap between tokens on a decode instance that also prefills, and
+            # turned the request away (429) under the defaults (test_faults sets its own)
+            "TSUKIMI_SLO_TTFT_MS": "600000", "TSUKIMI_SLO_TBT_MS": "600000"}
     env |= env_overrides or {}
     cmd = [sys.executable, "-m", "shared", "up", "--prefill", "2", "--decode", "2", "--port", str(port),
            "--nats-url", nats.url, "--nats-secrets", str(secrets_file), "--log-dir", str(log_dir)]
