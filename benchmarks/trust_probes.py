@@ -30,7 +30,7 @@ from shared.cache.integrity import BlockSigner
 from shared.nats_auth import ExtraUser, NatsCredentials, inbox_prefix
 from shared.nats_server import EmbeddedNatsServer, free_port
 from shared.payload import checksum
-from shared.protocol import Ack, Cancel, KvChunk, Sampling, StreamEvent, Subjects, SubmitReply, SubmitRequest
+from shared.protocol import Ack, Cancel, Heartbeat, KvChunk, Sampling, StreamEvent, Subjects, SubmitReply, SubmitRequest
 from shared.secrets import Secrets, write_private
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,8 +42,8 @@ class Probe:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.secrets = tmp, Secrets.generate()
-        watcher = ExtraUser("probe", "probe-password-0123456789")
-        self.nats = EmbeddedNatsServer(auth=self.secrets, extra_users=(watcher,))
+        self.watcher = ExtraUser("probe", "probe-password-0123456789")  # sees every subject
+        self.nats = EmbeddedNatsServer(auth=self.secrets, extra_users=(self.watcher,))
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -58,11 +58,14 @@ class Probe:
         self.out = self.tmp / "up.out"
         self.process = subprocess.Popen(cmd, stdout=open(self.out, "wb"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and "tsukimi is up" not in self.out.read_text():
+        while "tsukimi is up" not in self.out.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"tsukimi up did not come up: {self.out.read_text()[-2000:]}")
             time.sleep(0.5)
 
     def stop(self) -> None:
-        if self.process is not None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             self.process.wait(30)
         self.nats.stop()
@@ -73,6 +76,18 @@ class Probe:
     async def bus(self, role: str | None) -> Bus:
         credentials = self.credentials(role) if role else NatsCredentials()
         return await Bus.connect(self.nats.url, f"probe-{role}", S, credentials, connect_timeout_s=3)
+
+    async def watching_bus(self) -> Bus:
+        credentials = NatsCredentials(self.watcher.name, self.watcher.password)
+        return await Bus.connect(self.nats.url, "probe-watcher", S, credentials, connect_timeout_s=3)
+
+    def pid_of(self, instance_id: str) -> int:
+        """The pid of one of this system's processes (found by its environment: this run's NATS URL and the id)."""
+        wanted = {f"TSUKIMI_NATS_URL={self.nats.url}".encode(), f"TSUKIMI_INSTANCE_ID={instance_id}".encode()}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and wanted <= set(_environ(entry)):
+                return int(entry.name)
+        raise SystemExit(f"no process of this system is {instance_id}")
 
     def http(self, path: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str],
                                                                                               bytes]:
@@ -104,25 +119,34 @@ async def refused(attempt: Callable[[], Awaitable[Any]]) -> str:
 
 async def probe_nats(p: Probe) -> list[str]:
     lines = [f"1. no credentials: {await refused(lambda: p.bus(None))}"]
-    gateway = await p.bus("gateway")
+    gateway, watcher = await p.bus("gateway"), await p.watching_bus()
     seen: list[str] = []
+    forged: list[str] = []
 
     async def on_any(msg: Any) -> None:
         seen.append(msg.subject)
 
+    async def on_forged(msg: Any) -> None:
+        forged.append(msg.subject)
+
+    for subject in (S.stream("victim-1"), S.heartbeat("decode", "fake-decode")):
+        await watcher.client.subscribe(subject, cb=on_forged)
+    await watcher.client.flush()
     await gateway.client.subscribe(">", cb=on_any)
     await gateway.client.publish(S.stream("victim-1"), b"forged")
     await gateway.client.publish(S.heartbeat("decode", "fake-decode"), b"forged")
     await gateway.client.flush()
     await asyncio.sleep(1.0)
-    lines.append(f"1. gateway password, subscribe '>': {len(seen)} messages seen (permissions violation); publish a "
-                 "stream event or a decode heartbeat: refused by the server (see its error log)")
-    forged = await p.bus("cache-store")
-    await forged.client.publish(S.heartbeat("decode", "fake-decode"), b"x")
-    await forged.client.flush()
+    lines.append(f"1. gateway password, subscribe '>': {len(seen)} messages seen; publish a stream event and a decode "
+                 f"heartbeat: {len(forged)} of 2 reached a subscriber")
+    forged_by = await p.bus("cache-store")
+    fake = Heartbeat("fake-decode", "decode", 1, time.time(), kv_blocks_total=1000)
+    await forged_by.publish(S.heartbeat("decode", "fake-decode"), fake)
+    await forged_by.client.flush()
+    await asyncio.sleep(1.0)
     status, _, body = p.http("/health")
     lines.append(f"1. fake decode instance announced with the cache-store's password: /health {status} {body.decode()}")
-    for bus in (gateway, forged):
+    for bus in (gateway, watcher, forged_by):
         await bus.drain()
     return lines
 
@@ -168,8 +192,9 @@ async def probe_cache(p: Probe) -> list[str]:
 
 def probe_http(p: Probe) -> list[str]:
     lines = []
-    exposed = subprocess.run([sys.executable, "-m", "shared", "up", "--host", "0.0.0.0", "--port", str(free_port())],
-                             capture_output=True, text=True, timeout=60)
+    # a model that does not exist: were the refusal gone, nothing would start and listen on every interface
+    exposed = subprocess.run([sys.executable, "-m", "shared", "up", "--host", "0.0.0.0", "--port", str(free_port()),
+                              "--model", str(p.tmp / "no-model")], capture_output=True, text=True, timeout=60)
     lines.append(f"5. tsukimi up --host 0.0.0.0 without keys: exit {exposed.returncode}: {exposed.stderr.strip()[:90]}")
     banner = p.out.read_text().splitlines()[0]
     lines.append(f"5. banner: {banner[11:120]}")
@@ -200,9 +225,13 @@ async def probe_silence(p: Probe) -> list[str]:
 
     reading = loop.run_in_executor(None, stream_chat)
     await asyncio.sleep(4.0)
-    ids = [r for line in (p.tmp / "logs" / "gateway-0.log").read_text().splitlines() if '"victim' in line
-           for r in [json.loads(line).get("request_id", "")] if r.startswith("victim-")]
-    await gateway.publish(S.cancel, Cancel(ids[-1], "forged"))
+    request_id = ""
+    while not request_id and time.monotonic() < started + 30:
+        ids = [r for line in (p.tmp / "logs" / "gateway-0.log").read_text().splitlines() if '"victim' in line
+               for r in [json.loads(line).get("request_id", "")] if r.startswith("victim-")]
+        request_id = ids[-1] if ids else ""
+        await asyncio.sleep(0.2)
+    await gateway.publish(S.cancel, Cancel(request_id or "victim", "forged"))
     answer = await reading
     await gateway.drain()
     return [f"6. a cancel the client did not send, 4 s in: its stream ended {time.monotonic() - started - 4:.1f} s "
@@ -210,8 +239,7 @@ async def probe_silence(p: Probe) -> list[str]:
 
 
 def probe_unsolicited_kv(p: Probe) -> list[str]:
-    decode_pid = next(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and
-                      b"TSUKIMI_INSTANCE_ID=decode-0" in _environ(e))
+    decode_pid = p.pid_of("decode-0")
 
     def rss_mb() -> float:
         fields = (Path("/proc") / str(decode_pid) / "status").read_text()
@@ -259,8 +287,7 @@ def probe_nats_restart(p: Probe) -> list[str]:
 
 
 def probe_health_without_scheduler(p: Probe) -> list[str]:
-    pid = next(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and
-               b"TSUKIMI_INSTANCE_ID=scheduler-0" in _environ(e))
+    pid = p.pid_of("scheduler-0")
     os.kill(pid, signal.SIGSTOP)  # alive but silent, as a hung scheduler
     try:
         time.sleep(4.0)

@@ -32,12 +32,16 @@ password: restart every service and the NATS server with it.
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser("secrets", help="make a deployment's NATS passwords and block key (.env)",
                                  description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", "-o", metavar="FILE", type=Path, required=True, help="the file to write")
+    parser.add_argument("--output", "-o", metavar="FILE", type=Path, required=True,
+                        help="the file to write ('-': standard output, for a shell to redirect)")
     parser.add_argument("--force", action="store_true", help="replace an existing file")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if str(args.output) == "-":
+        sys.stdout.write(Secrets.generate().env_text())
+        return 0
     if args.output.exists() and not args.force:
         raise CliError(f"{args.output} exists; --force replaces it (every service then needs the new secrets)")
     try:

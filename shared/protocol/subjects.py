@@ -71,7 +71,6 @@ class Subjects:
     def cache_has(self, shard: int) -> str:
         return f"{self.prefix}.cache.{shard}.has"
 
-
     def sender_of(self, subject: str) -> tuple[str, str] | None:
         """(role, instance_id) named by a heartbeat, KV event or snapshot subject; None for any other subject."""
         for head in (f"{self.prefix}.sched.heartbeat.", f"{self.prefix}.kv.events.", f"{self.prefix}.snapshot."):

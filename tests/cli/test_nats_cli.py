@@ -39,6 +39,13 @@ def test_secrets_are_private_complete_and_not_replaced_by_accident(tmp_path: Pat
     assert Secrets.read(path) == secrets
 
 
+def test_secrets_go_to_standard_output_for_a_shell_to_redirect() -> None:
+    done = _tsukimi("secrets", "-o", "-")
+    assert done.returncode == 0, done.stderr
+    secrets = Secrets.from_env(parse_env_file(done.stdout))
+    assert set(secrets.passwords) == set(ROLES) and secrets.block_key
+
+
 def test_the_written_configuration_is_one_nats_server_accepts(tmp_path: Path) -> None:
     secrets, conf = tmp_path / ".env", tmp_path / "nats.conf"
     assert _tsukimi("secrets", "-o", str(secrets)).returncode == 0
@@ -57,12 +64,13 @@ def test_nats_serve_admits_the_roles_and_refuses_everyone_else(tmp_path: Path) -
     server = subprocess.Popen([sys.executable, "-m", "shared", "nats", "serve", "--host", "127.0.0.1", "--port",
                                str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        assert wait_for_port("127.0.0.1", port, 10), server.stdout.read1().decode() if server.stdout else ""
+        assert wait_for_port("127.0.0.1", port, 10), "tsukimi nats serve did not listen within 10 s"
         asyncio.run(_connect_as_roles(f"nats://127.0.0.1:{port}", secrets))
     finally:
         server.terminate()
         server.wait(10)
-    missing = _tsukimi("nats", "serve", env={k: v for k, v in env.items() if k != password_variable("decode")})
+    missing = _tsukimi("nats", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+                       env={k: v for k, v in env.items() if k != password_variable("decode")})
     assert missing.returncode == 2 and "NATS_PASSWORD_DECODE is not set" in missing.stderr
 
 

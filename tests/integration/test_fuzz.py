@@ -69,7 +69,7 @@ def _answer(system: System) -> str:
 
 
 def _subjects(s: Subjects) -> list[str]:
-    names = [s.submit, s.cancel, s.stream("fuzz-1"), s.stream("fuzz-2"), s.cache_put(0), s.cache_get(0),
+    names = [s.submit, s.cancel, s.failed, s.stream("fuzz-1"), s.stream("fuzz-2"), s.cache_put(0), s.cache_get(0),
              s.cache_has(0), s.heartbeat("decode", "fuzz-decode"), s.heartbeat("prefill", "fuzz-prefill")]
     for role, ids in INSTANCES.items():
         for instance in ids:

@@ -22,4 +22,5 @@ def test_warmup_steps_fit_the_cost_models_and_leave_the_engine_empty(make_engine
         decode_model.add_step(*sample)
     assert prefill_model.model.num_samples >= 8 and decode_model.model.num_samples >= 8
     measured = {s.num_new_tokens: s.seconds for s in prefill}
-    assert abs(prefill_model.predict(512, 0) / measured[512] - 1) < 0.25  # the fit follows this machine
+    # the fit follows this machine (loosely: one wall-clock sample each, on a machine that may be busy)
+    assert 0.5 < prefill_model.predict(512, 0) / measured[512] < 2.0

@@ -81,11 +81,13 @@ class FakeStream:
 class FakeBackend:
     """Answers submits with `script`; feeds the events `event_gap_s` apart into the request's open stream.
 
-    Records submits, cancels and the streams still open; `is_scheduler_down` makes submit raise.
+    Records submits, cancels and the streams still open; `is_scheduler_down` makes submit raise; with `hold` set,
+    every event after a request's first waits for it (a request then stays in flight until the test says).
     """
 
     script: Script = field(default_factory=lambda: answering(["Hello", ",", " world"]))
     event_gap_s: float = 0.0
+    hold: asyncio.Event | None = None
     is_scheduler_down: bool = False
     alive: dict[str, int] = field(default_factory=lambda: {"scheduler": 1, "prefill": 1, "decode": 1})
     waiting: dict[str, int] = field(default_factory=dict)
@@ -110,8 +112,10 @@ class FakeBackend:
         return reply
 
     async def _feed(self, request_id: str, events: list[StreamEvent]) -> None:
-        for event in events:
+        for index, event in enumerate(events):
             await asyncio.sleep(self.event_gap_s)
+            if index == 1 and self.hold is not None:
+                await self.hold.wait()
             stream = self.open_streams.get(request_id)
             if stream is None:
                 return

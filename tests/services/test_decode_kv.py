@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 import torch
@@ -202,9 +202,14 @@ async def test_a_cancel_it_did_not_send_reaches_the_client(service: DecodeServic
     await client.listen("done-at-prefill")
     for chunk in client.chunks("done-at-prefill"):
         await client.bus.publish(client.bus.subjects.decode_kv("d0"), chunk)
+    await _until(lambda: "done-at-prefill" in service.receiver)
     await client.bus.publish(client.bus.subjects.decode_run("d0"), Cancel("done-at-prefill", "finished at prefill"))
-    await asyncio.sleep(0.3)
-    assert "done-at-prefill" not in service.receiver and not client.events.get("done-at-prefill")
+    await _until(lambda: "done-at-prefill" not in service.receiver)
+    await service.bus.client.flush()  # what decode published for it is at the server, before our barrier below
+    barrier = StreamEvent("done-at-prefill", 0, [], "barrier")
+    await client.bus.publish(client.bus.subjects.stream("done-at-prefill"), barrier)
+    await _until(lambda: bool(client.events.get("done-at-prefill")))  # the barrier: decode sent nothing before it
+    assert len(client.events["done-at-prefill"]) == 1
 
 
 async def test_a_decode_task_with_no_kv_and_no_announcement_fails_at_once(
@@ -213,7 +218,8 @@ async def test_a_decode_task_with_no_kv_and_no_announcement_fails_at_once(
     await client.listen("ghost")
     ghost = DecodeTask("ghost", [1, 2, 3], 7, 0, Sampling(max_tokens=2), 5, 0, "p0")
     await client.bus.publish(client.bus.subjects.decode_run("d0"), ghost)
-    events = await client.wait_done("ghost", timeout_s=0.5)  # not after the KV deadline
+    events = await client.wait_done("ghost")
+    # at once, not after the KV deadline (whose error says "no KV chunk arrived")
     assert events[-1].error_type == ErrorType.KV_TRANSFER and "not told to expect it" in events[-1].error
     await client.bus.publish(client.bus.subjects.decode_run("d0"), ExpectHandoff("slow", "p0", NUM_PROMPT))
     await client.listen("slow")
@@ -226,6 +232,14 @@ async def test_a_decode_task_with_no_kv_and_no_announcement_fails_at_once(
 async def test_profile_parts_of_no_stream_are_not_kept(service: DecodeService, client: Client) -> None:
     for part in client.profile("stranger"):
         await client.bus.publish(client.bus.subjects.decode_kv("d0"), part)
-    await client.bus.client.flush()
-    await asyncio.sleep(0.2)
+    await client.bus.publish(client.bus.subjects.decode_kv("d0"), client.chunks("marker")[0])  # after them, in order
+    await _until(lambda: "marker" in service.receiver)
     assert service.profiles.num_received("stranger") == 0
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {timeout_s} s")

@@ -254,12 +254,14 @@ async def test_a_client_that_gives_up_on_a_whole_answer_cancels_it(checkpoint: A
 
 
 async def test_a_label_in_flight_twice_is_two_requests(checkpoint: Any) -> None:
-    backend = FakeBackend(answering(["a", "b"]), event_gap_s=0.2)
+    backend = FakeBackend(answering(["a", "b"]), hold=asyncio.Event())
     headers = {"X-Request-Id": "same"}
     async with serving(checkpoint, backend) as (client, gateway):
         first = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=headers))
-        await _eventually(lambda: bool(backend.submits))
-        second = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+        pending = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=headers))
+        await _eventually(lambda: len(gateway.active_request_ids) == 2)  # both in flight at once
+        backend.hold.set()  # type: ignore[union-attr]
+        second = await pending
         assert second.status == 200 and second.headers["X-Request-Id"] == "same"
         assert (await second.json())["choices"][0]["message"]["content"] == "ab"
         assert (await first).status == 200 and not gateway.active_request_ids

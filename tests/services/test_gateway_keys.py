@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,7 @@ async def test_the_gateway_needs_a_key_where_keys_are_configured(checkpoint: Any
 
 
 async def test_a_key_over_its_limits_gets_429_with_retry_after(checkpoint: Any) -> None:
-    backend = FakeBackend(answering(["a", "b"]), event_gap_s=0.3)
+    backend = FakeBackend(answering(["a", "b"]), hold=asyncio.Event())
     config = GatewayConfig(block_size=16, api_keys=keys(requests_per_minute=2, max_concurrent=1))
     alice, bob = {"Authorization": f"Bearer {ALICE}"}, {"Authorization": f"Bearer {BOB}"}
     async with serving(checkpoint, backend, config) as (client, gateway):
@@ -158,7 +159,10 @@ async def test_a_key_over_its_limits_gets_429_with_retry_after(checkpoint: Any) 
         busy = await client.post("/v1/chat/completions", json=CHAT, headers=alice)
         assert busy.status == 429 and busy.headers["Retry-After"] == "1"
         assert_error(await busy.json(), code="rate_limit_exceeded")
-        assert (await client.post("/v1/chat/completions", json=CHAT, headers=bob)).status == 200  # bob: no limits
+        bob_answer = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=bob))
+        await _eventually(lambda: len(gateway.active_request_ids) == 2)  # bob: no limits
+        backend.hold.set()  # type: ignore[union-attr]
+        assert (await bob_answer).status == 200
         await first_resp.text()
         await _eventually(lambda: gateway.limits.num_in_flight(config.api_keys.keys[0]) == 0)  # type: ignore[union-attr]
         assert (await client.post("/v1/chat/completions", json=CHAT, headers=alice)).status == 200

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
 
 from shared.bus import Bus, BusError
-from shared.nats_auth import ExtraUser, NatsCredentials, ServerTls
+from shared.nats_auth import ExtraUser, NatsCredentials, ServerTls, inbox_prefix
 from shared.nats_server import EmbeddedNatsServer
 from shared.protocol import Cancel, Message, Subjects, encode
 from shared.secrets import ROLES, Secrets
@@ -78,6 +78,14 @@ async def _collect(bus: Bus, subject: str, into: list[tuple[str, bytes]]) -> Non
     await bus.client.subscribe(subject, cb=on_msg)
 
 
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
 async def test_each_role_publishes_only_on_its_own_subjects(server: EmbeddedNatsServer) -> None:
     admin = await _bus(server, _admin())
     seen: list[tuple[str, bytes]] = []
@@ -87,9 +95,9 @@ async def test_each_role_publishes_only_on_its_own_subjects(server: EmbeddedNats
     for role, bus in buses.items():
         for subject in TABLE:
             await bus.client.publish(subject, encode(Cancel(f"{role}|{subject}")))
-        await bus.client.flush()
-    await admin.client.flush()
-    await asyncio.sleep(0.3)
+        await bus.client.flush()  # the server has what this role published: it reaches the watcher before the barrier
+    await admin.client.publish("t.barrier", b"")
+    await _until(lambda: ("t.barrier", b"") in seen)
     for subject, (publishers, _) in TABLE.items():
         for role in ROLES:
             got = any(s == subject and f"{role}|{subject}".encode() in d for s, d in seen)
@@ -105,11 +113,16 @@ async def test_each_role_receives_only_its_own_subjects(server: EmbeddedNatsServ
         for subject in TABLE:
             await _collect(bus, subject, received[role])
         await bus.client.flush()
+    for role, bus in buses.items():  # each role's own reply subjects: a barrier it may receive
+        await _collect(bus, f"{inbox_prefix(role)}.barrier", received[role])
+        await bus.client.flush()
     admin = await _bus(server, _admin())
     for subject in TABLE:
         await admin.client.publish(subject, encode(Cancel("from-admin")))
+    for role in ROLES:  # after everything else, from the same connection: each role gets it last
+        await admin.client.publish(f"{inbox_prefix(role)}.barrier", b"")
     await admin.client.flush()
-    await asyncio.sleep(0.3)
+    await _until(lambda: all(any(s.endswith(".barrier") for s, _ in received[role]) for role in ROLES))
     for subject, (_, subscribers) in TABLE.items():
         for role in ROLES:
             got = any(s == subject for s, _ in received[role])
