@@ -192,9 +192,10 @@ async def probe_cache(p: Probe) -> list[str]:
 
 def probe_http(p: Probe) -> list[str]:
     lines = []
-    # a model that does not exist: were the refusal gone, nothing would start and listen on every interface
-    exposed = subprocess.run([sys.executable, "-m", "shared", "up", "--host", "0.0.0.0", "--port", str(free_port()),
-                              "--model", str(p.tmp / "no-model")], capture_output=True, text=True, timeout=60)
+    # the port of the system under probe: were the refusal gone, the port check after it would stop the run before
+    # anything listens on every interface
+    exposed = subprocess.run([sys.executable, "-m", "shared", "up", "--host", "0.0.0.0", "--port", str(p.port)],
+                             capture_output=True, text=True, timeout=60)
     lines.append(f"5. tsukimi up --host 0.0.0.0 without keys: exit {exposed.returncode}: {exposed.stderr.strip()[:90]}")
     banner = p.out.read_text().splitlines()[0]
     lines.append(f"5. banner: {banner[11:120]}")
@@ -211,6 +212,38 @@ def probe_http(p: Probe) -> list[str]:
         body = sock.recv(600).split(b"\r\n\r\n", 1)[-1]
         lines.append(f"8. a malformed request line: {body[:90].decode(errors='replace')}")
     return lines
+
+
+def probe_slow_clients(p: Probe, read_timeout_s: float = 30.0) -> list[str]:
+    """300 connections that never finish a request (idle, half a header line, headers and half a body)."""
+    sockets = []
+    for i in range(300):
+        sock = socket.create_connection(("127.0.0.1", p.port))
+        if i % 3 == 1:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-")
+        elif i % 3 == 2:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        sockets.append(sock)
+    time.sleep(read_timeout_s + 6)
+    still_open = sum(not _is_closed(sock) for sock in sockets)
+    for sock in sockets:
+        sock.close()
+    answer = p.http("/health")[0]
+    return [f"8. 300 idle or half-sent connections, {read_timeout_s + 6:.0f} s later: {still_open} still open; "
+            f"/health after {answer}"]
+
+
+def _is_closed(sock: socket.socket) -> bool:
+    """The server closed it (whatever it answered first, a 408 say)."""
+    sock.settimeout(0.5)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 async def probe_silence(p: Probe) -> list[str]:
@@ -312,6 +345,7 @@ def main() -> None:
         probes: list[Callable[[], list[str]]] = [
             lambda: asyncio.run(probe_nats(probe)), lambda: asyncio.run(probe_tokens(probe)),
             lambda: probe_request_ids(probe), lambda: asyncio.run(probe_cache(probe)), lambda: probe_http(probe),
+            lambda: probe_slow_clients(probe),
             lambda: asyncio.run(probe_silence(probe)), lambda: probe_unsolicited_kv(probe),
             lambda: probe_health_without_scheduler(probe), lambda: probe_nats_restart(probe),
         ]

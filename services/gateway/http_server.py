@@ -18,6 +18,9 @@ from services.gateway.errors import for_status
 from shared.log import get_logger
 
 log = get_logger(__name__)
+# After an answer that closes the connection (a 408), how long the rest of a body may still be read and dropped, so
+# that the client sees the answer rather than a reset (aiohttp's default, 10 s, would keep a stalled client that long)
+LINGER_S = 2.0
 
 
 class _JsonErrorHandler(RequestHandler):
@@ -57,7 +60,8 @@ class GatewayRunner(web.AppRunner):
 
 def runner_options(read_timeout_s: float) -> dict[str, Any]:
     """The arguments every gateway runner gets (tests' servers too)."""
-    return {"handler_cancellation": True, "access_log": None, "keepalive_timeout": read_timeout_s}
+    return {"handler_cancellation": True, "access_log": None, "keepalive_timeout": read_timeout_s,
+            "lingering_time": LINGER_S}
 
 
 def make_runner(app: web.Application, read_timeout_s: float) -> GatewayRunner:
