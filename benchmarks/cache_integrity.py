@@ -20,14 +20,14 @@ import uuid
 
 import xxhash
 
-from services.cache_store import CacheStoreService
-from shared.bus import Bus
-from shared.cache.client import CacheClient
-from shared.cache.integrity import BlockSigner
+from services.cache_store.service import CacheStoreService
 from shared.config import load_settings
-from shared.log import configure_logging
-from shared.nats_server import EmbeddedNatsServer
-from shared.protocol import Subjects
+from shared.tools.nats_server import EmbeddedNatsServer
+from shared.wire.block_integrity import BlockSigner
+from shared.wire.bus import Bus
+from shared.wire.cache_client import CacheClient
+from shared.wire.log import configure_logging
+from shared.wire.protocol import Subjects
 
 BLOCK_BYTES = 64 * 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, fp32, a 64-token block of every layer
 LAYER_BYTES = BLOCK_BYTES // 30

@@ -24,10 +24,10 @@ import torch
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling import SamplingParams
 from shared.fastgen.policies import FastGenSettings
 from shared.kvcompress.text_spans import evaluation_span, read_tokens
 from shared.model.checkpoint import load_checkpoint
+from shared.wire.sampling import SamplingParams
 
 TEXT = "../shared/data/text/lee_background.txt"
 

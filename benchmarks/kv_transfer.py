@@ -1,5 +1,6 @@
-"""Streams one prompt's KV prefill -> decode over a real nats-server (embedded, loopback), as `shared.kv_wire` chunks,
-with byte-shuffle + LZ4 and with compression off, and prints end-to-end MB/s, wire MB and the compression ratio.
+"""Streams one prompt's KV prefill -> decode over a real nats-server (embedded, loopback), as
+`shared.wire.kv_transfer.chunks` chunks, with byte-shuffle + LZ4 and with compression off, and prints end-to-end
+MB/s, wire MB and the compression ratio.
 
 Not a test. The publisher (this process) chunks, compresses and publishes the KV layer by layer, as prefill does; a
 subscriber in a child process (as decode does, through `Bus.serve` and `KvReceiver`) verifies each chunk, assembles the
@@ -26,13 +27,13 @@ from dataclasses import dataclass
 import torch
 from nats.aio.msg import Msg
 
-from shared.bus import Bus
-from shared.kv_receiver import KvReceiver
-from shared.kv_wire import DTYPE_NAMES, KvAssembly, chunk_layer_kv, num_kv_chunks
-from shared.log import configure_logging
-from shared.nats_server import EmbeddedNatsServer
-from shared.payload import checksum
-from shared.protocol import KvChunk, Message, Subjects
+from shared.tools.nats_server import EmbeddedNatsServer
+from shared.wire.bus import Bus
+from shared.wire.kv_transfer.chunks import DTYPE_NAMES, KvAssembly, chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.receiver import KvReceiver
+from shared.wire.log import configure_logging
+from shared.wire.payload import checksum
+from shared.wire.protocol import KvChunk, Message, Subjects
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 SUBJECTS = Subjects("bench")

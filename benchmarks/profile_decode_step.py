@@ -11,11 +11,11 @@ import time
 
 from torch.profiler import profile
 
-from shared.bench.hf_baseline import random_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling import SamplingParams
 from shared.model.checkpoint import load_checkpoint
+from shared.tools.bench.hf_baseline import random_prompts
+from shared.wire.sampling import SamplingParams
 
 
 def main() -> None:

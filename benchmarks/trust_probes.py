@@ -24,14 +24,24 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from shared.bus import Bus, BusError
-from shared.cache.client import CacheClient, split_block
-from shared.cache.integrity import BlockSigner
-from shared.nats_auth import ExtraUser, NatsCredentials, inbox_prefix
-from shared.nats_server import EmbeddedNatsServer, free_port
-from shared.payload import checksum
-from shared.protocol import Ack, Cancel, Heartbeat, KvChunk, Sampling, StreamEvent, Subjects, SubmitReply, SubmitRequest
-from shared.secrets import Secrets, write_private
+from shared.tools.nats_server import EmbeddedNatsServer, free_port
+from shared.wire.block_integrity import BlockSigner
+from shared.wire.bus import Bus, BusError
+from shared.wire.cache_client import CacheClient, split_block
+from shared.wire.nats_auth import ExtraUser, NatsCredentials, inbox_prefix
+from shared.wire.payload import checksum
+from shared.wire.protocol import (
+    Ack,
+    Cancel,
+    Heartbeat,
+    KvChunk,
+    Sampling,
+    StreamEvent,
+    Subjects,
+    SubmitReply,
+    SubmitRequest,
+)
+from shared.wire.secrets import Secrets, write_private
 
 MODEL = "SmolLM2-135M-Instruct"
 S = Subjects()

@@ -2,6 +2,6 @@
 
 import sys
 
-from shared.cli.main import main
+from shared.tools.cli.main import main
 
 sys.exit(main())

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from shared.engine.config import EngineConfig
 from shared.fastgen.policies import FastGenSettings, parse_shares
-from shared.nats_auth import NatsCredentials, inbox_prefix
 from shared.sim.profiles import PROFILES
+from shared.wire.nats_auth import NatsCredentials, inbox_prefix
 
 POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
 COLOCATED_POLICIES = ("random", "round_robin", "least_loaded")  # routing when every instance prefills and decodes

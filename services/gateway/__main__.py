@@ -10,17 +10,18 @@ import sys
 
 from aiohttp import web
 
+from services.common.lifecycle import connect_service, wait_for_signal
 from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.backend import COLOCATED_ROLES_FOR_HEALTH, ROLES_FOR_HEALTH, NatsBackend
 from services.gateway.http_server import make_runner
 from services.gateway.prompt import ModelInfo
-from shared.api_keys import load_api_keys
-from shared.bus import BusError, connect_service, wait_for_signal
 from shared.config import ConfigError, Settings, load_settings
-from shared.log import configure_logging, get_logger, redact_url
 from shared.model.checkpoint import load_checkpoint
 from shared.sim.engine import sim_checkpoint, sim_model_name
 from shared.sim.profiles import get_profile
+from shared.wire.api_keys import ApiKeysError, load_api_keys
+from shared.wire.bus import BusError
+from shared.wire.log import configure_logging, get_logger, redact_url
 
 log = get_logger("services.gateway")
 
@@ -75,7 +76,7 @@ def main() -> None:
         settings = load_settings("gateway")
         configure_logging("gateway", settings.instance_id, settings.log_level, settings.log_format)
         asyncio.run(serve(settings))
-    except (ConfigError, BusError, OSError) as exc:
+    except (ConfigError, ApiKeysError, BusError, OSError) as exc:
         print(f"gateway: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -29,9 +29,9 @@ from services.gateway.prompt import ModelInfo, PreparedPrompt, PromptBuilder
 from services.gateway.responses import ResponseMeta, model_card, model_list
 from services.gateway.session import Deadlines, Session
 from services.gateway.streaming import stream_answer, whole_answer
-from shared.api_keys import ApiKey, ApiKeys
-from shared.log import get_logger
-from shared.protocol import Role, SubmitRequest
+from shared.wire.api_keys import ApiKey, ApiKeys
+from shared.wire.log import get_logger
+from shared.wire.protocol import Role, SubmitRequest
 
 log = get_logger(__name__)
 IDENTITY = web.RequestKey("identity", RequestIdentity)

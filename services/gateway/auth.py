@@ -1,11 +1,11 @@
-"""Who is calling: `Authorization: Bearer <key>` checked against the key file (shared/api_keys.py), or nobody when
+"""Who is calling: `Authorization: Bearer <key>` checked against the key file (shared/wire/api_keys.py), or nobody when
 no file is configured. Limits per key are limits.py's job.
 """
 
 from __future__ import annotations
 
 from services.gateway.errors import unauthorized
-from shared.api_keys import ApiKey, ApiKeys
+from shared.wire.api_keys import ApiKey, ApiKeys
 
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/openapi.json"})  # health checks and scrapers hold no key
 

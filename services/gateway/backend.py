@@ -9,10 +9,10 @@ from typing import Protocol
 
 from nats.aio.subscription import Subscription
 
-from shared.bus import Bus, BusError
-from shared.heartbeat import LiveInstances
-from shared.log import get_logger
-from shared.protocol import Cancel, Heartbeat, Message, Role, StreamEvent, SubmitReply, SubmitRequest
+from shared.wire.bus import Bus, BusError
+from shared.wire.heartbeat import LiveInstances
+from shared.wire.log import get_logger
+from shared.wire.protocol import Cancel, Heartbeat, Message, Role, StreamEvent, SubmitReply, SubmitRequest
 
 log = get_logger(__name__)
 # /health needs one live instance of each (a colocated deployment: no prefill)

@@ -1,6 +1,6 @@
 """OpenAI-style API errors: the `{"error": {message, type, param, code}}` body and the HTTP status of each failure.
 
-Owns the mapping from `shared.protocol.ErrorType` (and bus failures) to statuses; not the routes that raise them.
+Owns the mapping from `shared.wire.protocol.ErrorType` (and bus failures) to statuses; not the routes that raise them.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import ErrorType
+from shared.wire.protocol import ErrorType
 
 INVALID_REQUEST = "invalid_request_error"
 

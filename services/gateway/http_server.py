@@ -15,7 +15,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from services.gateway.errors import for_status
-from shared.log import get_logger
+from shared.wire.log import get_logger
 
 log = get_logger(__name__)
 # After an answer that closes the connection (a 408), how long the rest of a body may still be read and dropped, so

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from services.gateway.errors import bad_request
-from shared.protocol import is_valid_request_id
+from shared.wire.protocol import is_valid_request_id
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_LABEL_LEN = 128

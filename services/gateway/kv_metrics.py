@@ -2,7 +2,7 @@
 per block, tokens it holds), what the cache-store's DRAM holds, and what prompt KV has moved prefill -> decode.
 
 Owns these series, their refresh, and reading them back from /metrics' text (benchmarks and tests do); the exposition
-format is `metrics`, the heartbeats `shared.heartbeat`.
+format is `metrics`, the heartbeats `shared.wire.heartbeat`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.gateway.metrics import Counter, Gauge
-from shared.protocol import Heartbeat
+from shared.wire.protocol import Heartbeat
 
 _ENGINE = ("instance", "role", "format")
 _INSTANCE = ("instance", "role")

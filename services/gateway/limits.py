@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.gateway.errors import ApiError, rate_limited
-from shared.api_keys import ApiKey
+from shared.wire.api_keys import ApiKey
 
 
 @dataclass

@@ -11,10 +11,10 @@ import jinja2
 
 from services.gateway.errors import bad_request
 from services.gateway.openai_api import ChatRequest, CompletionRequest, GenerationOptions
-from shared.blocks import block_hashes, make_namespace
-from shared.engine.sampling import SamplingParams
+from shared.engine.blocks import block_hashes, make_namespace
 from shared.model.tokenizer import Tokenizer
-from shared.protocol import Sampling
+from shared.wire.protocol import Sampling
+from shared.wire.sampling import SamplingParams
 
 # Without max_tokens a request generates up to this many tokens (never past the context window): filling the
 # whole window by default would let one forgetful client hold a decode slot for thousands of tokens.

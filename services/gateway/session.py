@@ -16,8 +16,8 @@ from services.gateway.backend import Backend, BackendUnavailable, EventStream
 from services.gateway.errors import for_status, from_error_type, timed_out, unavailable
 from services.gateway.metrics import RequestTimer
 from services.gateway.progress import ProgressWatch, Verdict
-from shared.log import get_logger
-from shared.protocol import ErrorType, StreamEvent, SubmitRequest
+from shared.wire.log import get_logger
+from shared.wire.protocol import ErrorType, StreamEvent, SubmitRequest
 
 log = get_logger(__name__)
 MAX_BUFFERED_EVENTS = 4096  # out-of-order events held back; more means a publisher is broken

@@ -12,7 +12,7 @@ from aiohttp import web
 from services.gateway.errors import ApiError
 from services.gateway.responses import DONE, ResponseMeta, chunk, completion, sse, usage, usage_chunk
 from services.gateway.session import Delta, Session
-from shared.log import get_logger
+from shared.wire.log import get_logger
 
 log = get_logger(__name__)
 

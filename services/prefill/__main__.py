@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from services.engine_host import load_engine
+from services.common.engine_host import load_engine
+from services.common.lifecycle import run_service
 from services.prefill.service import PrefillService
-from shared.bus import Bus, run_service
-from shared.cache.client import CacheClient
-from shared.cache.integrity import BlockSigner
 from shared.config import Settings
-from shared.log import get_logger
-from shared.protocol import Role
+from shared.wire.block_integrity import BlockSigner
+from shared.wire.bus import Bus
+from shared.wire.cache_client import CacheClient
+from shared.wire.log import get_logger
+from shared.wire.protocol import Role
 
 log = get_logger("services.prefill")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 
-from shared.blocks import REMOVED, STORED
-from shared.protocol import KvEvent, Role, Snapshot
+from shared.engine.blocks import REMOVED, STORED
+from shared.wire.protocol import KvEvent, Role, Snapshot
 
 
 class KvEventLog:

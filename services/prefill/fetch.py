@@ -13,11 +13,11 @@ import functools
 import time
 
 from services.prefill.measure import MovingRate
-from shared.cache.client import CacheClient
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.log import get_logger
+from shared.wire.cache_client import CacheClient
+from shared.wire.log import get_logger
 
 log = get_logger(__name__)
 

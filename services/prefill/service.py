@@ -15,27 +15,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine_host import EngineHost
+from services.common.engine_host import EngineHost
+from services.common.warmup import time_prefill_steps
 from services.prefill.events import KvEventLog
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
-from services.warmup import time_prefill_steps
-from shared.blocks import block_hashes
-from shared.bus import Bus
-from shared.cache.client import CacheClient
 from shared.config import Settings
+from shared.engine.blocks import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixSource
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence
 from shared.fastgen.wire import PromptProfile, profile_parts
-from shared.heartbeat import HeartbeatSender, Load
-from shared.kv_wire import chunk_layer_kv, num_kv_chunks
-from shared.kv_wire_packed import PackedLayerKv, chunk_packed_layer, num_packed_chunks
-from shared.log import get_logger
-from shared.payload import Payload
-from shared.protocol import (
+from shared.wire.bus import Bus
+from shared.wire.cache_client import CacheClient
+from shared.wire.heartbeat import HeartbeatSender, Load
+from shared.wire.kv_transfer.chunks import chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.packed import PackedLayerKv, chunk_packed_layer, num_packed_chunks
+from shared.wire.log import get_logger
+from shared.wire.payload import Payload
+from shared.wire.protocol import (
     Cancel,
     DecodeTask,
     ErrorType,
@@ -47,6 +46,7 @@ from shared.protocol import (
     SnapshotRequest,
     StreamEvent,
 )
+from shared.wire.sampling import SamplingParams
 
 log = get_logger(__name__)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from services.common.lifecycle import run_service
 from services.scheduler.service import SchedulerService
-from shared.bus import Bus, run_service
 from shared.config import Settings
-from shared.protocol import Role
+from shared.wire.bus import Bus
+from shared.wire.protocol import Role
 
 
 async def build(settings: Settings, bus: Bus) -> SchedulerService:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.scheduler.estimates import ClusterView
 from services.scheduler.policies import Placement
-from shared.protocol import SubmitRequest
+from shared.wire.protocol import SubmitRequest
 
 
 @dataclass(frozen=True)

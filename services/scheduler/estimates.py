@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
 from services.scheduler.index import BlockIndex
-from shared.protocol import Heartbeat, SubmitRequest
+from shared.wire.protocol import Heartbeat, SubmitRequest
 
 DEFAULT_LINK_BYTES_PER_S = 300e6  # loopback NATS, measured by benchmarks/kv_transfer.py, until prefill reports its own
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import KvEvent, Snapshot
+from shared.wire.protocol import KvEvent, Snapshot
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.scheduler.estimates import ClusterView, PrefillOption
-from shared.protocol import Heartbeat, SubmitRequest
+from shared.wire.protocol import Heartbeat, SubmitRequest
 
 # SGLang's router: loads are "far apart" when max - min > 64 queued requests and max > 1.5 min; in prompt tokens here.
 HERD_MIN_GAP_TOKENS = 4096

@@ -15,11 +15,13 @@ from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
 from services.scheduler.estimates import ClusterView, Tracked
 from services.scheduler.index import BlockIndex
 from services.scheduler.policies import Placement, Policy, make_policy
-from shared.bus import Bus, BusError
 from shared.config import Settings
-from shared.heartbeat import HeartbeatSender, LiveInstances, Load
-from shared.log import get_logger
-from shared.protocol import (
+from shared.sim.cost import prior_samples
+from shared.sim.profiles import get_profile
+from shared.wire.bus import Bus, BusError
+from shared.wire.heartbeat import HeartbeatSender, LiveInstances, Load
+from shared.wire.log import get_logger
+from shared.wire.protocol import (
     SCHEDULER_QUEUE,
     Cancel,
     ErrorType,
@@ -35,8 +37,6 @@ from shared.protocol import (
     SubmitReply,
     SubmitRequest,
 )
-from shared.sim.cost import prior_samples
-from shared.sim.profiles import get_profile
 
 log = get_logger(__name__)
 TRACK_GRACE_S = 5.0  # a tracked request absent from every heartbeat this long after placement has finished

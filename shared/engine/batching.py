@@ -10,10 +10,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.blocks import BlockManager, OutOfBlocks
+from shared.engine.blocks import BlockManager, OutOfBlocks
 from shared.engine.prefix_load import PrefixLoad
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.log import get_logger
+from shared.wire.log import get_logger
 
 log = get_logger(__name__)
 

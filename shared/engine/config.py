@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.fastgen.policies import FastGenSettings
 from shared.kvcompress import CODEC_NAMES, KvCalibrationError
 from shared.kvcompress.bundled import calibration_digest, resolve_calibration
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("fp32", "bf16", "fp16")  # torch.float32, torch.bfloat16, torch.float16 (`torch_dtype`)
 KV_POLICIES = ("full", "fastgen")
 
 
@@ -94,10 +96,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch  # here, not at the top: the control plane reads these settings and never loads torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -10,22 +10,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from shared.blocks import BlockManager, make_namespace
 from shared.engine.batching import Scheduler, StepPlan
+from shared.engine.blocks import BlockManager, make_namespace
 from shared.engine.config import EngineConfig
 from shared.engine.isolation import FailureIsolation
 from shared.engine.kv_cache import KVPool, LayerCallback
 from shared.engine.kv_handoff import EngineFull, KvHandoff, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.runner import ModelRunner, Runner
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.fastgen.engine_kv import FastGenKv
 from shared.fastgen.lane_store import CodedLaneStore, RawLaneStore
-from shared.fastgen.policies import TokenClasses
-from shared.log import get_logger
+from shared.fastgen.token_classes import TokenClasses
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.wire.log import get_logger
+from shared.wire.sampling import SamplingParams
 
 __all__ = ["Completion", "EngineFull", "LLMEngine", "PrefilledRequest", "RequestOutput", "StepStats"]
 log = get_logger(__name__)

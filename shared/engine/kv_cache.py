@@ -1,6 +1,6 @@
 """The paged KV pool (one tensor for every layer's K and V) and the per-step attention context over it.
 
-Owns the pool tensors and the step metadata (slots, block tables); block bookkeeping is `shared.blocks`.
+Owns the pool tensors and the step metadata (slots, block tables); block bookkeeping is `shared.engine.blocks`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kernels.paged_attention import (
     store_kv,
 )
 from shared.model.config import LlamaConfig
-from shared.payload import Payload, SizeOnly
+from shared.wire.payload import Payload, SizeOnly
 
 
 class KVPool:

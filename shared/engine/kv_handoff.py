@@ -1,6 +1,6 @@
 """Disaggregation, the engine's side: prompt KV out of a prefill engine (per layer, as blocks for the cache-store) and
 into a decode engine (`add_prefilled`), raw or through the engine's KV codec. A mixin of `LLMEngine`; the wire
-formats are `shared.kv_wire` and `shared.kv_wire_packed`.
+formats are `shared.wire.kv_transfer.chunks` and `shared.wire.kv_transfer.packed`.
 """
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.blocks import OutOfBlocks
+from shared.engine.blocks import OutOfBlocks
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import KVPool
 from shared.engine.prompt_kv import check_prompt_kv, write_packed
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.fastgen.wire import PromptProfile
-from shared.kv_wire_packed import PackedFormat, PackedLayerKv, PackedPromptKv
 from shared.model.tokenizer import IncrementalDetokenizer
-from shared.payload import Payload
+from shared.wire.kv_transfer.packed import PackedFormat, PackedLayerKv, PackedPromptKv
+from shared.wire.payload import Payload
+from shared.wire.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from shared.blocks import BlockManager
     from shared.engine.batching import Scheduler
+    from shared.engine.blocks import BlockManager
     from shared.engine.config import EngineConfig
     from shared.engine.runner import Runner
     from shared.fastgen.engine_kv import FastGenKv

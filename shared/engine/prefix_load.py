@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import KVPool
-from shared.payload import Payload, SizeOnly
+from shared.wire.payload import Payload, SizeOnly
 
 
 class PrefixLoad:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from shared.engine.codec_pool import CodecKvPool
-from shared.kv_wire_packed import PackedFormat, PackedPromptKv
 from shared.model.config import LlamaConfig
+from shared.wire.kv_transfer.packed import PackedFormat, PackedPromptKv
 
 
 def check_prompt_kv(

@@ -20,11 +20,12 @@ from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.bundled import resolve_calibration
 from shared.kvcompress.calibration import load_calibration
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.kvcompress.registry import CALIBRATED_CODECS, layer_codecs
+from shared.kvcompress.names import CALIBRATED_CODEC_NAMES
+from shared.kvcompress.registry import layer_codecs
 from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
-LANE_CODECS = CALIBRATED_CODECS  # kvquant-4, -3, -2: the codecs lane records exist for
+LANE_CODECS = CALIBRATED_CODEC_NAMES  # kvquant-4, -3, -2: the codecs lane records exist for
 DEFAULT_BLOCK_SIZE = 64  # the engine's (TSUKIMI_BLOCK_SIZE)
 
 

@@ -19,8 +19,9 @@ import torch
 from shared.fastgen.attention import DecodeAttention, PrefillAttention
 from shared.fastgen.codec_variants import KvServing, ServedKv
 from shared.fastgen.kept import FastGenRule, HeavyHitterRule, KeepAll, KeptRule, SinkWindowRule
-from shared.fastgen.policies import FastGenSettings, TokenClasses
+from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.profile import LayerProfile, policy_counts, profile_layer
+from shared.fastgen.token_classes import TokenClasses
 from shared.kvcompress.agreement import Agreement
 from shared.kvcompress.text_spans import evaluation_span, windows
 from shared.model.checkpoint import Checkpoint

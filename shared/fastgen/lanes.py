@@ -13,7 +13,7 @@ Owns the slot numbering (slot s lies in block s // slots_per_block) and which sl
 
 from __future__ import annotations
 
-from shared.blocks import BlockManager, OutOfBlocks
+from shared.engine.blocks import BlockManager, OutOfBlocks
 
 
 class LaneSlots:

@@ -2,7 +2,7 @@
 (what the heavy hitters rank by), cut into `FastGenProfilePart` messages that follow the prompt's KV chunks.
 
 Owns the profile's bytes (`PromptProfile`), its parts, and their reassembly with checks; the scores are shuffled and
-LZ4-compressed as KV chunks are (`shared.payload`), and each part is checksummed before anything is decoded.
+LZ4-compressed as KV chunks are (`shared.wire.payload`), and each part is checksummed before anything is decoded.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.payload import PayloadError, checksum, compress, decompress
-from shared.protocol import FastGenProfilePart
+from shared.wire.payload import PayloadError, checksum, compress, decompress
+from shared.wire.protocol import FastGenProfilePart
 
 SCORE_BYTES = 4  # float32
 

@@ -11,10 +11,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "KvCalibration": "calibration", "KvCalibrationError": "calibration", "load_calibration": "calibration",
+    "KvCalibration": "calibration", "KvCalibrationError": "names", "load_calibration": "calibration",
     "KvCodec": "codec", "KvCodecError": "codec",
-    "CODECS": "registry", "CODEC_NAMES": "registry", "get_codec": "registry", "layer_codecs": "registry",
-    "needs_calibration": "registry",
+    "CODECS": "registry", "CODEC_NAMES": "names", "get_codec": "registry", "layer_codecs": "registry",
+    "needs_calibration": "names",
 }
 __all__ = sorted(_EXPORTS)
 

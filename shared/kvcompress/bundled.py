@@ -9,8 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from shared.kvcompress.calibration import KvCalibrationError
-from shared.kvcompress.registry import needs_calibration
+from shared.kvcompress.names import KvCalibrationError, needs_calibration
 
 CALIBRATION_DIR = Path(__file__).parent / "calibrations"
 DEFAULT_MODEL_STEM = "smollm2-135m"

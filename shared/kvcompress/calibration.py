@@ -14,15 +14,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from shared.kvcompress.names import KvCalibrationError
+
 FORMAT = "tsukimi-kv-calibration/3"  # 3: the key centres and half-ranges place grids of block ranges
 # All metadata sits under this one key, as sorted JSON: safetensors writes metadata keys in no fixed order, and the
 # file's digest is part of the block-hash namespace, so equal calibrations must be equal bytes.
 _METADATA_KEY = "tsukimi"
 _TENSORS = ("key_center", "key_scale", "key_codebook", "value_codebook")
-
-
-class KvCalibrationError(ValueError):
-    """A calibration file is missing, unreadable, or does not fit the model or codec it is used with."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 same run, on windows of the evaluation span (never the calibration span), and its compression against fp16.
 
 Owns the metrics; how attention sees the codec is `eval_attention`, the calibration/evaluation split `text_spans`,
-the command line (and which calibration file) `shared/cli/eval_kv`.
+the command line (and which calibration file) `shared/tools/cli/eval_kv`.
 """
 
 from __future__ import annotations

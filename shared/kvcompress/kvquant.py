@@ -35,9 +35,9 @@ import torch
 
 from shared.kvcompress.bitpack import pack_codes, packed_num_bytes, unpack_codes
 from shared.kvcompress.codec import KvCodec, KvCodecError, check_dims, check_kv
+from shared.kvcompress.names import KVQUANT_BITS
 from shared.kvcompress.quantize import fp16_round_up
 
-KVQUANT_BITS = (2, 3, 4)
 KEY_GRID_POINTS = 256  # per key channel; a block's range is two of them (uint8 each)
 KEY_GRID_SPAN = 2.0  # the grid covers the calibrated centre +- this many calibrated half-ranges
 _MAX_HEAD_ELEMENTS = 1 << 16  # outlier indices are uint16 within one head's [T, D]

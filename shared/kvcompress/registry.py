@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from shared.kvcompress.calibration import KvCalibration, KvCalibrationError
+from shared.kvcompress.calibration import KvCalibration
 from shared.kvcompress.codec import KvCodec
-from shared.kvcompress.kvquant import KVQUANT_BITS, KvQuantCodec
+from shared.kvcompress.kvquant import KvQuantCodec
+from shared.kvcompress.names import (
+    CALIBRATED_CODEC_NAMES,
+    CODEC_NAMES,
+    KvCalibrationError,
+)
 from shared.kvcompress.uniform import Fp16Codec, Int8Codec, KiviCodec
 
 CODECS: MappingProxyType[str, KvCodec] = MappingProxyType(
     {codec.name: codec for codec in (Fp16Codec(), Int8Codec(), KiviCodec(4), KiviCodec(3), KiviCodec(2))}
 )
-CALIBRATED_CODECS = tuple(f"kvquant-{bits}" for bits in KVQUANT_BITS)
-CODEC_NAMES = (*CODECS, *CALIBRATED_CODECS)
 
 
 def get_codec(name: str) -> KvCodec:
@@ -26,16 +29,12 @@ def get_codec(name: str) -> KvCodec:
     Raises:
         ValueError: no such codec (the message lists the known ones), or one that needs a calibration.
     """
-    if name in CALIBRATED_CODECS:
+    if name in CALIBRATED_CODEC_NAMES:
         raise ValueError(f"KV codec {name!r} needs a calibration: use layer_codecs(name, ..., calibration)")
     try:
         return CODECS[name]
     except KeyError:
         raise ValueError(f"unknown KV codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}") from None
-
-
-def needs_calibration(name: str) -> bool:
-    return name in CALIBRATED_CODECS
 
 
 def layer_codecs(
@@ -47,7 +46,7 @@ def layer_codecs(
         ValueError: an unknown name.
         KvCalibrationError: a `kvquant-*` codec without a calibration, or with one for another shape or width.
     """
-    if name not in CALIBRATED_CODECS:
+    if name not in CALIBRATED_CODEC_NAMES:
         return [get_codec(name)] * num_layers
     bits = int(name.rsplit("-", 1)[1])
     if calibration is None:

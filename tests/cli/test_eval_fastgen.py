@@ -15,7 +15,8 @@ import torch
 
 from shared.fastgen.codec_variants import KvServing
 from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
-from shared.fastgen.policies import FastGenSettings, TokenClasses
+from shared.fastgen.policies import FastGenSettings
+from shared.fastgen.token_classes import TokenClasses
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.text_spans import TextSpanError
 from shared.model.config import LlamaConfig

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.cli.main import main
 from shared.kvcompress import bundled
 from shared.kvcompress.calibration import KvCalibrationError
 from shared.kvcompress.evaluate import evaluate_codec
 from shared.kvcompress.registry import get_codec
 from shared.kvcompress.text_spans import TextSpanError
 from shared.model.config import LlamaConfig
+from shared.tools.cli.main import main
 from tests.cli.tiny_model import tiny_checkpoint
 
 TINY = LlamaConfig(

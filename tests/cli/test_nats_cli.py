@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.bus import Bus, BusError
-from shared.nats_auth import NatsCredentials, inbox_prefix
-from shared.nats_server import find_nats_server, free_port, wait_for_port
-from shared.protocol import Subjects
-from shared.secrets import ROLES, Secrets, parse_env_file, password_variable
+from shared.tools.nats_server import find_nats_server, free_port, wait_for_port
+from shared.wire.bus import Bus, BusError
+from shared.wire.nats_auth import NatsCredentials, inbox_prefix
+from shared.wire.protocol import Subjects
+from shared.wire.secrets import ROLES, Secrets, parse_env_file, password_variable
 
 
 def _tsukimi(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

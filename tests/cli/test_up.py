@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli.compose import render_compose
-from shared.cli.main import main
-from shared.nats_server import NatsServerError, find_nats_server, free_port
-from shared.topology import SERVICES
+from shared.tools.cli.compose import render_compose
+from shared.tools.cli.main import main
+from shared.tools.nats_server import NatsServerError, find_nats_server, free_port
+from shared.tools.topology import SERVICES
 
 # Stands in for every service: prints its pid and TSUKIMI_* settings; the gateway also answers GET /health with 200.
 FAKE_SERVICE = textwrap.dedent("""

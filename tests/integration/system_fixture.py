@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.nats_auth import ExtraUser, NatsCredentials
-from shared.nats_server import EmbeddedNatsServer, free_port
-from shared.secrets import Secrets, write_private
+from shared.tools.nats_server import EmbeddedNatsServer, free_port
+from shared.wire.nats_auth import ExtraUser, NatsCredentials
+from shared.wire.secrets import Secrets, write_private
 
 STARTUP_S = 300.0  # five model loads on two busy cores
 WATCHER = ExtraUser("itest-watcher", "itest-watcher-password-0123456789")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason
+from shared.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 STORY = (

@@ -10,9 +10,9 @@ import pytest
 
 from shared.engine.engine import LLMEngine, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.engine.sampling import SamplingParams
-from shared.kv_wire import KvAssembly
-from shared.kv_wire_packed import PackedLayerKv, assemble_packed, chunk_packed_layer, num_packed_chunks
+from shared.wire.kv_transfer.chunks import KvAssembly
+from shared.wire.kv_transfer.packed import PackedLayerKv, assemble_packed, chunk_packed_layer, num_packed_chunks
+from shared.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

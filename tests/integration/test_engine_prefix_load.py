@@ -13,8 +13,8 @@ import torch
 from shared.engine.engine import LLMEngine
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.engine.sampling import SamplingParams
 from shared.model.config import LlamaConfig
+from shared.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

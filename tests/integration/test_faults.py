@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.bus import Bus
-from shared.protocol import Subjects
+from shared.wire.bus import Bus
+from shared.wire.protocol import Subjects
 from tests.integration.system_fixture import System, start_system, stop_system
 
 pytestmark = pytest.mark.slow

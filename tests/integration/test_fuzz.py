@@ -18,11 +18,11 @@ import msgpack
 import pytest
 import torch
 
-from shared.block_hash import block_hashes
-from shared.bus import Bus
-from shared.cache.client import split_block
-from shared.kv_wire import chunk_layer_kv
-from shared.protocol import (
+from shared.engine.block_hash import block_hashes
+from shared.wire.bus import Bus
+from shared.wire.cache_client import split_block
+from shared.wire.kv_transfer.chunks import chunk_layer_kv
+from shared.wire.protocol import (
     BlockGet,
     BlockHas,
     Cancel,

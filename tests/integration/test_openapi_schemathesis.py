@@ -34,8 +34,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from shared.cli.main import main as tsukimi_main
-from shared.nats_server import free_port
+from shared.tools.cli.main import main as tsukimi_main
+from shared.tools.nats_server import free_port
 
 STARTUP_S = 120.0
 MAX_TOKENS = 8  # each generated completion streams at most this many simulated tokens: the run stays short

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams
 from shared.model.llama import DenseCausalAttention
+from shared.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

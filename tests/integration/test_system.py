@@ -15,8 +15,8 @@ import aiohttp
 import openai
 import pytest
 
-from shared.bus import Bus
-from shared.protocol import Heartbeat, Subjects, decode
+from shared.wire.bus import Bus
+from shared.wire.protocol import Heartbeat, Subjects, decode
 from tests.integration.system_fixture import System, start_system, stop_system
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from shared.engine.engine import LLMEngine
-from shared.engine.sampling import SamplingParams
 from shared.fastgen.policies import FastGenSettings
+from shared.wire.sampling import SamplingParams
 from tests.integration.system_fixture import System, start_system, stop_system
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from services.common.warmup import DECODE_BATCHES, PROMPT_LENGTHS, time_decode_steps, time_prefill_steps
 from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
-from services.warmup import DECODE_BATCHES, PROMPT_LENGTHS, time_decode_steps, time_prefill_steps
 
 
 def test_warmup_steps_fit_the_cost_models_and_leave_the_engine_empty(make_engine) -> None:

@@ -12,11 +12,11 @@ from shared.engine.batching import ScheduledChunk
 from shared.engine.codec_attention import CodecAttention, CodecStepLayout
 from shared.engine.codec_decode import FusedDecode
 from shared.engine.codec_pool import CodecKvPool
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.wire.sampling import SamplingParams
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 6, 2, 32
 CONFIG = LlamaConfig(

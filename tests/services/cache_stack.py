@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import uuid
 
-from services.cache_store import CacheStoreService
-from shared.bus import Bus
-from shared.cache.client import CacheClient
-from shared.cache.integrity import BlockSigner
+from services.cache_store.service import CacheStoreService
 from shared.config import load_settings
-from shared.protocol import Message, Subjects
+from shared.wire.block_integrity import BlockSigner
+from shared.wire.bus import Bus
+from shared.wire.cache_client import CacheClient
+from shared.wire.protocol import Message, Subjects
 
 
 class Stack:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.nats_server import EmbeddedNatsServer
+from shared.tools.nats_server import EmbeddedNatsServer
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from shared.protocol import Message, Subjects
+from shared.wire.protocol import Message, Subjects
 
 
 class RecordingBus:
-    """Has the parts of `shared.bus.Bus` that handlers use; `published` keeps (subject, message) in order."""
+    """Has the parts of `shared.wire.bus.Bus` that handlers use; `published` keeps (subject, message) in order."""
 
     def __init__(self, prefix: str = "t") -> None:
         self.subjects = Subjects(prefix)

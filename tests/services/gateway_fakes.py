@@ -17,7 +17,7 @@ from services.gateway.backend import BackendUnavailable
 from services.gateway.http_server import GatewayRunner, runner_options
 from services.gateway.prompt import ModelInfo
 from shared.model.checkpoint import Checkpoint
-from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
+from shared.wire.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
 
 MODEL = "test-model"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]

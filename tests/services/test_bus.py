@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from shared.bus import Bus, BusError, DropLog
-from shared.protocol import Ack, BlockHas, BlockHasReply, Cancel, Heartbeat, Message, Subjects
+from shared.wire.bus import Bus, BusError, DropLog
+from shared.wire.protocol import Ack, BlockHas, BlockHasReply, Cancel, Heartbeat, Message, Subjects
 
 
 async def _bus(url: str, name: str) -> Bus:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from cache_stack import Stack
 
-from shared.cache.client import split_block
-from shared.cache.integrity import TAG_BYTES, BlockSigner
-from shared.protocol import Ack, BlockPut
+from shared.wire.block_integrity import TAG_BYTES, BlockSigner
+from shared.wire.cache_client import split_block
+from shared.wire.protocol import Ack, BlockPut
 
 KEY = b"the-deployments-block-key-0123456789"
 
@@ -86,7 +86,7 @@ async def test_tags_survive_the_ssd_tier_and_a_restart(stack: Stack, tmp_path: P
 
 
 def test_a_put_with_a_tag_of_the_wrong_size_is_refused_at_decode() -> None:
-    from shared.protocol import ProtocolError, decode, encode
+    from shared.wire.protocol import ProtocolError, decode, encode
 
     part = split_block(1, b"abc", 10, BlockSigner(KEY))[0]
     with pytest.raises(ProtocolError, match="a tag of 3 bytes"):

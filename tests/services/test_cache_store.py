@@ -16,11 +16,11 @@ import pytest
 from cache_stack import Stack
 
 from services.cache_store import MAX_EVENT_HASHES, CacheStoreService, stats_fields
-from shared.bus import BusError
-from shared.cache.block import StoredBlock
+from services.cache_store.tiers.block import StoredBlock
 from shared.config import load_settings
-from shared.payload import checksum
-from shared.protocol import (
+from shared.wire.bus import BusError
+from shared.wire.payload import checksum
+from shared.wire.protocol import (
     Ack,
     BlockGet,
     BlockHas,

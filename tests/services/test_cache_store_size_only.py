@@ -10,15 +10,15 @@ import pytest
 import torch
 from cache_stack import Stack
 
-from shared.bus import BusError
-from shared.cache.block import StoredBlock, part_size
-from shared.cache.client import CacheClient, split_block
-from shared.cache.ssd import SsdTier
+from services.cache_store.tiers.block import StoredBlock, part_size
+from services.cache_store.tiers.ssd import SsdTier
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixLoad
 from shared.model.config import LlamaConfig
-from shared.payload import CODEC_SIZE_ONLY, Payload, SizeOnly, checksum
-from shared.protocol import Ack, BlockPut
+from shared.wire.bus import BusError
+from shared.wire.cache_client import CacheClient, split_block
+from shared.wire.payload import CODEC_SIZE_ONLY, Payload, SizeOnly, checksum
+from shared.wire.protocol import Ack, BlockPut
 
 GIB = 1 << 30
 DRAM_MB = 64 << 10  # 64 GiB of declared capacity; size-only blocks allocate none of it

@@ -17,9 +17,9 @@ import pytest
 from test_cache_store import REPO, Stack, until
 
 from services.cache_store import CacheStoreService
-from shared.bus import Bus
-from shared.cache.client import CacheClient
-from shared.protocol import BlockHas, BlockHasReply, KvEvent, Message, Snapshot, SnapshotRequest
+from shared.wire.bus import Bus
+from shared.wire.cache_client import CacheClient
+from shared.wire.protocol import BlockHas, BlockHasReply, KvEvent, Message, Snapshot, SnapshotRequest
 
 BLOCK_BYTES = 300_000  # incompressible: a 1 MiB DRAM holds 3; a 4th put evicts the 2 least recently used
 

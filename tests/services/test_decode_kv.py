@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 import torch
 
-from services.decode import DecodeService
-from shared.bus import Bus
+from services.decode.service import DecodeService
 from shared.config import load_settings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.fastgen.wire import PromptProfile, profile_parts
-from shared.kv_wire import chunk_layer_kv, num_kv_chunks
-from shared.protocol import (
+from shared.wire.bus import Bus
+from shared.wire.kv_transfer.chunks import chunk_layer_kv, num_kv_chunks
+from shared.wire.protocol import (
     Cancel,
     DecodeTask,
     ErrorType,

@@ -12,8 +12,8 @@ import structlog
 from gateway_fakes import KV_CODEC, MESSAGES, MODEL, FakeBackend, answering, serving, sse_payloads, token_events
 
 from services.gateway.prompt import DEFAULT_MAX_TOKENS
-from shared.blocks import block_hashes, make_namespace
-from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest, is_valid_request_id
+from shared.engine.blocks import block_hashes, make_namespace
+from shared.wire.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest, is_valid_request_id
 
 
 async def test_chat_answer_has_the_openai_shape_and_submits_the_templated_prompt(checkpoint: Any) -> None:

@@ -12,7 +12,7 @@ import pytest
 from gateway_fakes import MESSAGES, MODEL, FakeBackend, answering, serving, sse_payloads, token_events
 
 from services.gateway.app import GatewayConfig
-from shared.protocol import StreamEvent, SubmitReply, SubmitRequest
+from shared.wire.protocol import StreamEvent, SubmitReply, SubmitRequest
 
 CHAT = {"model": MODEL, "messages": MESSAGES}
 

@@ -16,8 +16,7 @@ from services.gateway.app import GatewayConfig
 from services.gateway.auth import authenticate, bearer_token
 from services.gateway.errors import ApiError
 from services.gateway.limits import KeyLimits, TokenBucket
-from shared.api_keys import ApiKey, ApiKeys, hash_key, load_api_keys
-from shared.config import ConfigError
+from shared.wire.api_keys import ApiKey, ApiKeys, ApiKeysError, hash_key, load_api_keys
 
 CHAT = {"model": MODEL, "messages": MESSAGES}
 ALICE, BOB = "tsk-alice-secret", "tsk-bob-secret"
@@ -68,7 +67,7 @@ def test_a_bad_key_file_is_a_config_error_naming_the_problem(tmp_path: Path, con
     path = tmp_path / "keys.json"
     if content is not None:
         path.write_text(content)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ApiKeysError, match=message):
         load_api_keys(path)
 
 

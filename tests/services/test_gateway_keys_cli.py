@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.api_keys import hash_key, load_api_keys
-from shared.cli.main import main
+from shared.tools.cli.main import main
+from shared.wire.api_keys import hash_key, load_api_keys
 
 
 def keys_command(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -13,8 +13,17 @@ from gateway_fakes import MESSAGES, MODEL, model_info, sse_payloads, token_event
 
 from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.backend import NatsBackend
-from shared.bus import Bus
-from shared.protocol import Cancel, ErrorType, Heartbeat, Message, StreamEvent, Subjects, SubmitReply, SubmitRequest
+from shared.wire.bus import Bus
+from shared.wire.protocol import (
+    Cancel,
+    ErrorType,
+    Heartbeat,
+    Message,
+    StreamEvent,
+    Subjects,
+    SubmitReply,
+    SubmitRequest,
+)
 
 SUBJECTS = Subjects("gwtest")
 

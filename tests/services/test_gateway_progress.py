@@ -12,7 +12,7 @@ from services.gateway import session as session_module
 from services.gateway.app import GatewayConfig
 from services.gateway.progress import MAX_CHECK_S, ProgressWatch, Verdict
 from services.gateway.session import Reorderer
-from shared.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
+from shared.wire.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest
 
 CHAT = {"model": MODEL, "messages": MESSAGES}
 QUICK = GatewayConfig(block_size=16, request_timeout_s=30.0, progress_timeout_s=0.3)

@@ -8,7 +8,7 @@ from services.gateway.errors import ApiError, from_error_type
 from services.gateway.metrics import Counter, Histogram
 from services.gateway.openai_api import parse_chat_request, parse_completion_request
 from services.gateway.session import MAX_BUFFERED_EVENTS, Reorderer
-from shared.protocol import StreamEvent
+from shared.wire.protocol import StreamEvent
 
 
 def event(index: int, num_tokens: int, finish: str | None = None, error_type: str = "") -> StreamEvent:

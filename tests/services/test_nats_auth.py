@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
-from shared.bus import Bus, BusError
-from shared.nats_auth import ExtraUser, NatsCredentials, ServerTls, inbox_prefix
-from shared.nats_server import EmbeddedNatsServer
-from shared.protocol import Cancel, Message, Subjects, encode
-from shared.secrets import ROLES, Secrets
+from shared.tools.nats_server import EmbeddedNatsServer
+from shared.wire.bus import Bus, BusError
+from shared.wire.nats_auth import ExtraUser, NatsCredentials, ServerTls, inbox_prefix
+from shared.wire.protocol import Cancel, Message, Subjects, encode
+from shared.wire.secrets import ROLES, Secrets
 
 SUBJECTS = Subjects("t")
 ADMIN = ExtraUser("watcher", "watcher-password-0123456789")

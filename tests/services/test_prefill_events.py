@@ -7,7 +7,7 @@ import pytest
 
 from services.prefill.events import KvEventLog
 from services.prefill.measure import MovingRate, StepSamples
-from shared.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
+from shared.engine.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
 from shared.engine.engine import StepStats
 
 NS = make_namespace("test-model", "fp16")

@@ -16,14 +16,14 @@ import pytest_asyncio
 import torch
 
 from services.prefill.service import PrefillService
-from shared.blocks import STORED, block_hashes
-from shared.bus import Bus
-from shared.cache.client import CacheClient
 from shared.config import load_settings
+from shared.engine.blocks import STORED, block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.kv_wire import KvAssembly
-from shared.protocol import (
+from shared.wire.bus import Bus
+from shared.wire.cache_client import CacheClient
+from shared.wire.kv_transfer.chunks import KvAssembly
+from shared.wire.protocol import (
     Ack,
     BlockGet,
     BlockHas,

@@ -11,7 +11,7 @@ from fakes import RecordingBus
 
 from services.scheduler.service import SchedulerService
 from shared.config import load_settings
-from shared.protocol import (
+from shared.wire.protocol import (
     ErrorType,
     ExpectHandoff,
     Heartbeat,

@@ -9,7 +9,7 @@ import time
 import pytest
 from test_scheduler import _beat, _cluster, _service, _submit
 
-from shared.protocol import Heartbeat, Role
+from shared.wire.protocol import Heartbeat, Role
 
 
 def _decode(queued: int = 0, running: int = 0, max_num_seqs: int = 0) -> Heartbeat:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from shared.blocks import BlockManager
+from shared.engine.blocks import BlockManager
 
 
 def observable(manager: BlockManager, seq_ids: Sequence[Hashable]) -> tuple[object, ...]:

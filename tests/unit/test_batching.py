@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from shared.blocks import BlockManager
 from shared.engine.batching import Scheduler
-from shared.engine.sampling import SamplingParams
+from shared.engine.blocks import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.wire.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -1,4 +1,4 @@
-"""The chained block hash of shared/block_hash.py against raw xxhash, and the spec's worked example."""
+"""The chained block hash of shared/engine/block_hash.py against raw xxhash, and the spec's worked example."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.blocks import block_hashes, hash_block, make_namespace
+from shared.engine.blocks import block_hashes, hash_block, make_namespace
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "block-hash.md"
 NS = make_namespace("test-model", "fp16")
@@ -21,7 +21,7 @@ u32s = st.integers(0, 2**32 - 1)
 
 
 def raw_chain(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[int]:
-    """The spec computed from scratch with struct and xxhash, independently of shared/blocks.py."""
+    """The spec computed from scratch with struct and xxhash, independently of shared/engine/blocks.py."""
     hashes: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = struct.pack(f"<{block_size}I", *token_ids[start : start + block_size])

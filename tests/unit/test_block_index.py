@@ -4,7 +4,7 @@ that arrive meanwhile are replayed on top of it."""
 from __future__ import annotations
 
 from services.scheduler.index import BlockIndex
-from shared.protocol import KvEvent, Snapshot
+from shared.wire.protocol import KvEvent, Snapshot
 
 
 def test_events_in_order_and_prefix_questions() -> None:

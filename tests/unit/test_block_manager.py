@@ -1,4 +1,4 @@
-"""The block manager of shared/blocks.py by example: reuse, the last-token rule, OutOfBlocks, LRU eviction."""
+"""The block manager of shared/engine/blocks.py by example: reuse, the last-token rule, OutOfBlocks, LRU eviction."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 from block_probes import observable
 
-from shared.blocks import BlockManager, OutOfBlocks, block_hashes, make_namespace
+from shared.engine.blocks import BlockManager, OutOfBlocks, block_hashes, make_namespace
 
 NS = make_namespace("test-model", "fp16")
 

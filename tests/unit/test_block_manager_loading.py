@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
+from shared.engine.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
 
 NS = make_namespace("test-model", "fp16")
 

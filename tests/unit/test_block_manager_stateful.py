@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shared.blocks import STORED, BlockManager, OutOfBlocks, make_namespace
+from shared.engine.blocks import STORED, BlockManager, OutOfBlocks, make_namespace
 
 NS = make_namespace("test-model", "fp16")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from test_ssd_tier import make_block
 
-from shared.cache.block import StoredBlock
-from shared.cache.dram import DramTier
-from shared.cache.ssd import SsdTier
-from shared.cache.tiers import LEASE_S, TieredStore
+from services.cache_store.tiers.block import StoredBlock
+from services.cache_store.tiers.dram import DramTier
+from services.cache_store.tiers.ssd import SsdTier
+from services.cache_store.tiers.tiers import LEASE_S, TieredStore
 
 BLOCK = 1000  # bytes of data per test block: DRAM of 3500 holds 3 (high mark 3325); a 4th put evicts 2 (low mark 2975)
 

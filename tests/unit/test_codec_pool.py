@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from shared.engine.batching import ScheduledChunk
 from shared.engine.codec_attention import CodecAttention, CodecStepLayout
 from shared.engine.codec_pool import CodecKvPool, OutOfTails
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kvcompress import get_codec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.wire.sampling import SamplingParams
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -12,10 +12,10 @@ from services.scheduler.estimates import ClusterView, Tracked
 from services.scheduler.index import BlockIndex
 from services.scheduler.policies import ColocatedPolicy, make_policy
 from services.scheduler.service import SchedulerService
-from shared.cli.main import main
 from shared.config import ConfigError, load_settings
-from shared.protocol import Heartbeat, Message, PrefillTask, Role, Sampling, Subjects, SubmitRequest
-from shared.topology import SERVICES_BY_NAME, Topology, TopologyError
+from shared.tools.cli.main import main
+from shared.tools.topology import SERVICES_BY_NAME, Topology, TopologyError
+from shared.wire.protocol import Heartbeat, Message, PrefillTask, Role, Sampling, Subjects, SubmitRequest
 
 NOW = 1_000_000.0
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shared.cache.dram import DramFullError, DramTier
+from services.cache_store.tiers.dram import DramFullError, DramTier
 
 
 def hashes_of(evicted: list[tuple[int, bytes]]) -> list[int]:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from shared.blocks import BlockManager, OutOfBlocks
+from shared.engine.blocks import BlockManager, OutOfBlocks
 from shared.fastgen.lane_store import RawLaneStore
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings

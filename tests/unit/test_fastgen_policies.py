@@ -24,7 +24,8 @@ from shared.fastgen.kept import (
     ratio_budget,
     top_scored,
 )
-from shared.fastgen.policies import FastGenSettings, Rung, TokenClasses, is_punctuation, parse_shares
+from shared.fastgen.policies import FastGenSettings, Rung, parse_shares
+from shared.fastgen.token_classes import TokenClasses, is_punctuation
 
 PAPER = FastGenSettings(wider_local=(), frequent_alone=True)  # the FastGen paper's ladder
 SPECIAL_ONLY, WITH_PUNCT, FREQUENT, LOCAL, FULL = range(5)  # its policy ids

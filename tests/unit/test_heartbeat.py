@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shared.heartbeat import HeartbeatSender, LiveInstances, Load
-from shared.protocol import Heartbeat
+from shared.wire.heartbeat import HeartbeatSender, LiveInstances, Load
+from shared.wire.protocol import Heartbeat
 
 
 def test_load_is_exactly_the_variable_part_of_a_heartbeat() -> None:

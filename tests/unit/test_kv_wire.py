@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.kv_receiver import KvReceiver
-from shared.kv_wire import DTYPE_NAMES, KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
-from shared.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, checksum, compress, decompress
-from shared.protocol import KvChunk, decode, encode
+from shared.wire.kv_transfer.chunks import DTYPE_NAMES, KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.receiver import KvReceiver
+from shared.wire.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, checksum, compress, decompress
+from shared.wire.protocol import KvChunk, decode, encode
 
 DTYPES = list(DTYPE_NAMES.values())
 

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from shared.kv_wire import KvAssembly, KvTransferError
-from shared.kv_wire_packed import (
+from shared.wire.kv_transfer.chunks import KvAssembly, KvTransferError
+from shared.wire.kv_transfer.packed import (
     PackedFormat,
     PackedLayerKv,
     assemble_packed,

@@ -240,3 +240,13 @@ def test_per_channel_keys_beat_per_token_keys_with_outlier_channels() -> None:
     mse_kivi = float((k - k_kivi).pow(2).mean())
     mse_token = float((k - k_token).pow(2).mean())
     assert mse_kivi * 3 < mse_token
+
+
+def test_the_names_settings_read_are_the_codecs_registered() -> None:
+    from shared.kvcompress import names, registry
+
+    assert tuple(registry.CODECS) == names.UNIFORM_CODEC_NAMES
+    for name in names.CALIBRATED_CODEC_NAMES:
+        assert names.needs_calibration(name)
+        with pytest.raises(ValueError, match="needs a calibration"):
+            registry.get_codec(name)

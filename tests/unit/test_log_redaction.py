@@ -9,7 +9,7 @@ import logging
 import pytest
 import structlog
 
-from shared.log import MASK, configure_logging, get_logger, keep_secret, redact, redact_url
+from shared.wire.log import MASK, configure_logging, get_logger, keep_secret, redact, redact_url
 
 
 @pytest.mark.parametrize(("text", "shown"), [

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shared.engine.kv_cache import KVPool
-from shared.kv_wire import KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
 from shared.model.config import LlamaConfig
-from shared.payload import (
+from shared.wire.kv_transfer.chunks import KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
+from shared.wire.payload import (
     CODEC_SIZE_ONLY,
     PayloadError,
     SizeOnly,
@@ -22,7 +22,7 @@ from shared.payload import (
     join,
     split,
 )
-from shared.protocol import KvChunk, decode, encode
+from shared.wire.protocol import KvChunk, decode, encode
 
 LAYERS, HEADS, TOKENS, HEAD_DIM = 5, 4, 37, 16
 

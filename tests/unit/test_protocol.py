@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.sampling import SamplingParams
-from shared.protocol import (
+from shared.wire.protocol import (
     BlockPut,
     Cancel,
     DecodeTask,
@@ -30,6 +29,7 @@ from shared.protocol import (
     is_valid_request_id,
     message_types,
 )
+from shared.wire.sampling import SamplingParams
 
 _SAMPLE_VALUES = {int: 7, float: 0.5, str: "x-1", bool: True, bytes: b"\x00\xffkv"}
 # Fields whose sample must also satisfy the messages' invariants (parts within totals, known kinds and roles, ...).

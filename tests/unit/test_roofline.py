@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from shared.bench.roofline import decode_roofline, decode_weight_bytes, weight_streaming_bound_s
 from shared.model.config import LlamaConfig
+from shared.tools.bench.roofline import decode_roofline, decode_weight_bytes, weight_streaming_bound_s
 
 # Per layer: q and o 2 x 4 x (2 x 2) = 32, k and v 2 x 4 x (1 x 2) = 16, MLP 3 x 4 x 6 = 72 -> 120 matmul
 # parameters; 2 layers -> 240; LM head 10 x 4 = 40 -> 280. Norms: (2 x 2 + 1) x 4 = 20. Weights read: 300.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.sampling import Sampler, SamplingParams, _filter_top_k_top_p
+from shared.engine.sampling import Sampler, _filter_top_k_top_p
+from shared.wire.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

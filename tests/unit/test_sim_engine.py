@@ -13,13 +13,9 @@ from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import FinishReason, Sequence
-from shared.kv_wire import KvAssembly, chunk_layer_kv, num_kv_chunks
 from shared.model.checkpoint import Checkpoint
 from shared.model.config import LlamaConfig
-from shared.payload import SizeOnly
-from shared.protocol import KvChunk, decode, encode
 from shared.sim.cost import StepWork, step_time
 from shared.sim.engine import (
     BACK_TO_BACK_S,
@@ -30,6 +26,10 @@ from shared.sim.engine import (
     sim_model_name,
 )
 from shared.sim.profiles import GpuSpec, SimProfile, get_profile
+from shared.wire.kv_transfer.chunks import KvAssembly, chunk_layer_kv, num_kv_chunks
+from shared.wire.payload import SizeOnly
+from shared.wire.protocol import KvChunk, decode, encode
+from shared.wire.sampling import SamplingParams
 
 PROFILE = get_profile("llama3-70b-8xa800")
 CFG = PROFILE.model  # 80 layers, 8 kv heads, head dim 128

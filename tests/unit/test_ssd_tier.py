@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.cache import blockfile, ssd
-from shared.cache.block import StoredBlock
-from shared.cache.blockfile import BlockFileError, encode_header, parse_block_file, parse_header
-from shared.cache.ssd import CorruptBlockError, SsdFullError, SsdTier
-from shared.payload import checksum
-from shared.protocol import BlockPut
+from services.cache_store.tiers import blockfile, ssd
+from services.cache_store.tiers.block import StoredBlock
+from services.cache_store.tiers.blockfile import BlockFileError, encode_header, parse_block_file, parse_header
+from services.cache_store.tiers.ssd import CorruptBlockError, SsdFullError, SsdTier
+from shared.wire.payload import checksum
+from shared.wire.protocol import BlockPut
 
 
 def make_block(block_hash: int, sizes: tuple[int, ...] = (100, 50), seed: int = 0) -> StoredBlock:

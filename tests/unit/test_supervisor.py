@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.supervisor import Backoff, ProcessSpec, Supervisor, log_tail
+from shared.tools.supervisor import Backoff, ProcessSpec, Supervisor, log_tail
 
 SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
 CRASHER = (sys.executable, "-S", "-c", "import sys; print('boom', flush=True); sys.exit(1)")
@@ -131,7 +131,7 @@ def test_children_die_when_the_supervisor_is_sigkilled(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from shared.supervisor import ProcessSpec, Supervisor
+        from shared.tools.supervisor import ProcessSpec, Supervisor
         sup = Supervisor([ProcessSpec(f"s{{i}}", {SLEEPER!r}) for i in range(2)], Path({str(tmp_path)!r}))
         sup.start()
         print(*sup.pids().values(), flush=True)

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.cli.compose import render_compose, render_host_network, to_yaml
-from shared.cli.main import main
 from shared.config import ENV_VARS
-from shared.secrets import ROLES, password_variable
-from shared.topology import (
+from shared.tools.cli.compose import render_compose, render_host_network, to_yaml
+from shared.tools.cli.main import main
+from shared.tools.topology import (
     IMAGE,
     SERVICES,
     HostNetwork,
@@ -29,6 +28,7 @@ from shared.topology import (
     host_network_override,
     module_file,
 )
+from shared.wire.secrets import ROLES, password_variable
 
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN_SERVICES = {"gateway", "scheduler", "prefill", "decode", "cache-store"}

@@ -1,0 +1,265 @@
+"""The cache-store service (`python -m services.cache_store`): one shard of the KV block pool.
+
+It owns two-phase puts, serving parts as stored, KV events (stored / removed / cleared with epoch and seq), snapshots,
+heartbeats and the stats log. Where blocks live (DRAM, SSD) is `services.cache_store.tiers.tiers`; the caller's side is
+`shared.wire.cache_client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nats.errors
+from nats.aio.subscription import Subscription
+
+from services.cache_store.tiers.block import StoredBlock, part_size
+from services.cache_store.tiers.dram import DramTier
+from services.cache_store.tiers.ssd import SsdTier
+from services.cache_store.tiers.tiers import CacheStats, TieredStore
+from shared.config import ConfigError, Settings
+from shared.wire.bus import Bus, Handler
+from shared.wire.heartbeat import HeartbeatSender, Load
+from shared.wire.log import get_logger
+from shared.wire.payload import CODEC_SIZE_ONLY, checksum
+from shared.wire.protocol import (
+    Ack,
+    BlockGet,
+    BlockHas,
+    BlockHasReply,
+    BlockPart,
+    BlockPut,
+    KvEvent,
+    Message,
+    Role,
+    Snapshot,
+    SnapshotRequest,
+)
+
+log = get_logger(__name__)
+
+PENDING_TIMEOUT_S = 30.0  # a put whose parts stop arriving is dropped after this long
+STATS_LOG_S = 30.0  # a "cache stats" log line this often
+MAX_EVENT_HASHES = 8192  # hashes per KvEvent (a restart re-announces a whole SSD tier; keep each message small)
+
+
+@dataclass
+class PendingBlock:
+    """The verified parts of a block still being put (phase one); committed when all `num_parts` are in."""
+
+    num_parts: int
+    started_at: float  # monotonic seconds of the first part
+    parts: dict[int, BlockPut] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(part_size(part) for part in self.parts.values())
+
+
+class CacheStoreService:
+    """One cache-store shard: answers `cache.<shard>.put/get/has` and `snapshot.<instance>`, emits `KvEvent`s.
+
+    Every epoch (process start) begins with seq 0 `cleared`, then, when the SSD tier was re-indexed with blocks,
+    `stored` with those hashes; then one `stored` per commit and `removed` for blocks gone from every tier (a move
+    from DRAM to SSD is neither). `stop()` ends with `cleared`.
+
+    Args:
+        settings: uses `cache_shard`, `cache_dram_bytes`, `cache_ssd_dir`, `cache_ssd_bytes`, `instance_id`,
+            `heartbeat_s`.
+        bus: the connection (only `serve`, `publish` and `subjects` are used).
+        clock: monotonic seconds, for expiring pending puts and read leases (tests pass their own).
+    """
+
+    def __init__(self, settings: Settings, bus: Bus, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings, self.bus, self.clock = settings, bus, clock
+        self.shard = settings.cache_shard
+        ssd = SsdTier(Path(settings.cache_ssd_dir), settings.cache_ssd_bytes) if settings.cache_ssd_dir else None
+        self.store = TieredStore(
+            DramTier(settings.cache_dram_bytes), ssd, self._record, clock, settings.cache_ssd_admit_seen
+        )
+        self.pending: dict[int, PendingBlock] = {}
+        self.heartbeat = HeartbeatSender(
+            bus, settings.instance_id, Role.CACHE_STORE.value, settings.heartbeat_s, self.load
+        )
+        self.next_seq = 0  # of the next KvEvent in this epoch
+        self._outbox: deque[KvEvent] = deque()
+        self._publisher: asyncio.Task[None] | None = None
+        self._stats_logger: asyncio.Task[None] | None = None
+        self._subscriptions: list[Subscription] = []
+
+    async def start(self) -> None:
+        """Serve snapshots, re-index the SSD tier, announce the new epoch (`cleared`, then `stored` of what SSD
+        holds), then serve puts, gets and probes.
+
+        Raises:
+            ConfigError: the SSD folder cannot be used (unwritable, or locked by another cache-store).
+        """
+        subjects = self.bus.subjects
+        me = self.settings.instance_id  # snapshots first: a listener that missed seq 0 can resync
+        snapshots = await self.bus.serve(subjects.snapshot(Role.CACHE_STORE, me), self.handle_snapshot,
+                                         kinds=(SnapshotRequest,))
+        self._subscriptions.append(snapshots)
+        try:
+            reindexed = await self.store.open()
+        except OSError as exc:
+            raise ConfigError(f"TSUKIMI_CACHE_SSD_DIR={self.settings.cache_ssd_dir}: {exc}") from None
+        self._record("cleared", [])
+        self._record("stored", reindexed)
+        await self.publish_events()
+        routes: list[tuple[str, Handler, type[Message]]] = [
+            (subjects.cache_put(self.shard), self.handle_put, BlockPut),
+            (subjects.cache_get(self.shard), self.handle_get, BlockGet),
+            (subjects.cache_has(self.shard), self.handle_has, BlockHas),
+        ]
+        for subject, handler, kind in routes:
+            self._subscriptions.append(await self.bus.serve(subject, handler, kinds=(kind,)))
+        self.heartbeat.start()
+        self._stats_logger = asyncio.create_task(self._log_stats(), name="cache-stats")
+        log.info(
+            "serving cache shard", shard=self.shard, dram_bytes=self.store.dram.capacity_bytes,
+            ssd_dir=self.settings.cache_ssd_dir, ssd_blocks=len(reindexed),
+        )
+
+    async def stop(self) -> None:
+        """Finish the requests in flight and the queued SSD writes, stop beating, and announce `cleared`."""
+        for sub in self._subscriptions:
+            try:
+                await sub.drain()
+            except nats.errors.Error as exc:
+                log.warning("subscription drain failed", subject=sub.subject, error=str(exc))
+        self._subscriptions.clear()
+        await self.heartbeat.stop()
+        if self._stats_logger is not None:
+            self._stats_logger.cancel()
+            await asyncio.gather(self._stats_logger, return_exceptions=True)
+        self.pending.clear()
+        await self.store.close()
+        self._record("cleared", [])
+        await self.publish_events()
+        if self._publisher is not None:
+            await asyncio.gather(self._publisher, return_exceptions=True)
+
+    def load(self) -> Load:
+        dram = self.store.dram
+        return Load(kv_blocks_used=self.store.num_blocks, kv_blocks_total=0, kv_stored_bytes=dram.num_bytes,
+                    kv_stored_blocks=dram.num_blocks)
+
+    def stats(self) -> CacheStats:
+        """Per-tier hits, misses, evictions, blocks, bytes and get latency, and the admission and corruption counts."""
+        return self.store.stats()
+
+    async def handle_put(self, msg: BlockPut) -> Ack:
+        """Phase one: buffer a verified part; phase two: commit the block once all its parts are in.
+
+        A block already stored is acknowledged without work (part 0 of it counts as a sighting for SSD admission).
+        A bad part (checksum, indices, a part count that disagrees with earlier parts) is refused and drops the whole
+        pending block; so is a block too large to store, or one that finds no room.
+        """
+        self._drop_stale_pending()
+        if msg.replace and msg.part == 0 and self.store.holds(msg.block_hash):
+            if self.store.remove(msg.block_hash):  # a reader refused our copy: the writer's new one replaces it
+                log.info("replacing a block a reader refused", block_hash=msg.block_hash)
+                await self.publish_events()
+        if self.store.holds(msg.block_hash):
+            if msg.part == 0:
+                self.store.seen.add(msg.block_hash)
+            return Ack()
+        error = self._check_part(msg)
+        if error:
+            self.pending.pop(msg.block_hash, None)
+            log.warning("refused a block part", block_hash=msg.block_hash, part=msg.part, reason=error)
+            return Ack(ok=False, error=error)
+        pending = self.pending.setdefault(msg.block_hash, PendingBlock(msg.num_parts, self.clock()))
+        pending.parts[msg.part] = msg
+        if len(pending.parts) < pending.num_parts:
+            return Ack()
+        del self.pending[msg.block_hash]
+        block = StoredBlock(tuple(pending.parts[i] for i in range(msg.num_parts)))
+        try:
+            await self.store.put(msg.block_hash, block)
+        except ValueError as exc:
+            log.warning("refused a block", block_hash=msg.block_hash, reason=str(exc))
+            return Ack(ok=False, error=str(exc))
+        finally:
+            await self.publish_events()
+        return Ack()
+
+    async def handle_get(self, msg: BlockGet) -> BlockPart:
+        """Part `msg.part` of a stored block as it was put (from DRAM, or verified from SSD), or `found=False`."""
+        block = await self.store.get(msg.block_hash, msg.part)
+        await self.publish_events()  # an SSD hit may have evicted from DRAM, a corrupt file is `removed`
+        if block is None or not 0 <= msg.part < len(block.parts):
+            return BlockPart(msg.block_hash, found=False, part=msg.part)
+        p = block.parts[msg.part]
+        return BlockPart(msg.block_hash, True, p.part, p.num_parts, p.codec, p.raw_size, p.checksum, p.data, p.tag)
+
+    async def handle_has(self, msg: BlockHas) -> BlockHasReply:
+        """Which of the hashes are committed here, in any tier (pending puts do not count)."""
+        return BlockHasReply([self.store.holds(h) for h in msg.block_hashes])
+
+    async def handle_snapshot(self, msg: SnapshotRequest) -> Snapshot:
+        """Every hash held in any tier, as of the last event recorded (events after `seq` apply on top)."""
+        return Snapshot(self.settings.instance_id, self.heartbeat.epoch, self.next_seq - 1, self.store.hashes())
+
+    async def publish_events(self) -> None:
+        """Publish the recorded events in order; a lost one shows as a gap in `seq`, which makes listeners resync."""
+        subject = self.bus.subjects.kv_events(Role.CACHE_STORE, self.settings.instance_id)
+        while self._outbox:
+            event = self._outbox.popleft()
+            try:
+                await self.bus.publish(subject, event)
+            except nats.errors.Error as exc:
+                log.warning("kv event lost", kind=event.kind, seq=event.seq, error=str(exc))
+
+    def _record(self, kind: str, block_hashes: list[int]) -> None:
+        """Give the change its seqs now (snapshots stay exact) and publish it soon, in order."""
+        chunks = [block_hashes[i : i + MAX_EVENT_HASHES] for i in range(0, len(block_hashes), MAX_EVENT_HASHES)]
+        for chunk in chunks or ([[]] if kind == "cleared" else []):
+            self._outbox.append(KvEvent(self.settings.instance_id, self.heartbeat.epoch, self.next_seq, kind, chunk,
+                                        Role.CACHE_STORE))
+            self.next_seq += 1
+        if self._outbox and (self._publisher is None or self._publisher.done()):
+            self._publisher = asyncio.get_running_loop().create_task(self.publish_events(), name="kv-events")
+
+    def _check_part(self, msg: BlockPut) -> str:
+        """Why this part cannot be buffered, or "" when it can."""
+        if not 0 <= msg.part < msg.num_parts:
+            return f"part {msg.part} outside 0..{msg.num_parts - 1}"
+        if checksum(msg.data) != msg.checksum:
+            return f"checksum mismatch in part {msg.part}"
+        if msg.codec == CODEC_SIZE_ONLY and msg.data:
+            return f"size-only part {msg.part} carries {len(msg.data)} bytes"
+        pending = self.pending.get(msg.block_hash)
+        if pending is not None and pending.num_parts != msg.num_parts:
+            return f"part count {msg.num_parts} disagrees with earlier parts ({pending.num_parts})"
+        capacity = self.store.dram.capacity_bytes
+        if (pending.num_bytes if pending else 0) + part_size(msg) > capacity:
+            return f"block {msg.block_hash:#x} exceeds the capacity of {capacity} bytes"
+        if sum(p.num_bytes for p in self.pending.values()) + part_size(msg) > capacity:
+            return "too many bytes in unfinished puts"
+        return ""
+
+    def _drop_stale_pending(self) -> None:
+        now = self.clock()
+        stale = [h for h, p in self.pending.items() if now - p.started_at > PENDING_TIMEOUT_S]
+        for block_hash in stale:
+            pending = self.pending.pop(block_hash)
+            log.warning("dropped an unfinished put", block_hash=block_hash, parts=len(pending.parts))
+
+    async def _log_stats(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_LOG_S)
+            log.info("cache stats", **stats_fields(self.stats()))
+
+
+def stats_fields(stats: CacheStats) -> dict[str, int | float]:
+    """The stats as flat log fields: `num_blocks`, ..., then `dram_hits`, ..., `ssd_get_mean_ms` (no SSD: none)."""
+    fields: dict[str, int | float] = {k: v for k, v in asdict(stats).items() if not isinstance(v, dict | None)}
+    for name, tier in (("dram", stats.dram), ("ssd", stats.ssd)):
+        if tier is not None:
+            fields.update({f"{name}_{k}": v for k, v in asdict(tier).items()})
+    return fields

@@ -1,0 +1,102 @@
+"""Hosting an engine inside an asyncio service: every engine call runs on one dedicated thread (the engine is not
+thread-safe), and the step loop alternates a tick on that thread with delivering its results on the event loop.
+
+Also loading the engine the settings name (the model, or the sim backend) and the byte form of a KV block as the
+cache-store keeps it. Nothing here knows prefill from decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
+
+from shared.config import Settings
+from shared.engine.engine import LLMEngine
+from shared.wire.log import get_logger
+
+log = get_logger(__name__)
+MAX_FAILED_TICKS = 5
+R = TypeVar("R")
+Tick = Callable[[], tuple[list[R], bool]]  # engine thread: (results to deliver, whether work remains)
+
+
+class EngineHost(Generic[R]):
+    """Owns the engine thread and the step loop.
+
+    A step that raises fails only its request (the engine isolates it); a tick that raises is logged and the loop
+    goes on. When the engine is broken (`LLMEngine.is_broken`) or `max_failed_ticks` ticks fail in a row, the loop
+    stops and sets `broken`: the service then stops, so that its supervisor restarts it and the scheduler fails
+    what it held.
+
+    Args:
+        engine: the engine; touch it only through `call` or inside the tick.
+        idle_poll_s: how often an idle loop ticks anyway (to notice timers such as deadlines).
+        max_failed_ticks: ticks failing in a row after which the engine counts as broken.
+    """
+
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.2, max_failed_ticks: int = MAX_FAILED_TICKS) -> None:
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self.max_failed_ticks = max_failed_ticks
+        self.broken = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread (after whatever runs there now)."""
+        return await self.loop.run_in_executor(self._executor, fn, *args)
+
+    def start(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(tick, deliver), name="engine-loop")
+
+    def wake(self) -> None:
+        """New work: tick now instead of at the next idle poll."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+        num_failed = 0
+        while True:
+            self._wake.clear()
+            try:
+                results, busy = await self.call(tick)
+                num_failed = 0
+                if results:
+                    await deliver(results)
+            except Exception:
+                num_failed += 1
+                log.exception("engine tick failed", consecutive_failures=num_failed)
+                busy = False
+            if self.engine.is_broken or num_failed >= self.max_failed_ticks:
+                log.error("the engine cannot recover: stopping so that this instance is restarted",
+                          failed_ticks=num_failed, failed_steps=self.engine.isolation.num_consecutive_failures)
+                self.broken.set()
+                return
+            if not busy:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll_s)
+                except TimeoutError:
+                    pass
+
+
+async def load_engine(settings: Settings) -> LLMEngine:
+    """The engine `TSUKIMI_ENGINE` names: the model (loaded on a worker thread), or the sim backend's stand-in for
+    `TSUKIMI_SIM_PROFILE`."""
+    if settings.engine_kind == "sim":
+        from shared.sim.engine import build_sim_engine
+
+        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, settings.engine)
+        log.info("simulated engine: steps sleep for a roofline model, no model runs", profile=settings.sim_profile,
+                 kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
+        return engine
+    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)

@@ -1,0 +1,40 @@
+"""The wire protocol: every message that crosses NATS (`messages.py`), its msgpack encoding (`base.py`) and every
+subject (`subjects.py`). Import from here: `from shared.wire.protocol import DecodeTask, Subjects, encode, decode`.
+"""
+
+from shared.wire.protocol import checks  # noqa: E402, F401  (registers every message's invariants with decode)
+from shared.wire.protocol.base import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message, message_types
+from shared.wire.protocol.messages import (
+    Ack,
+    BlockGet,
+    BlockHas,
+    BlockHasReply,
+    BlockPart,
+    BlockPut,
+    Cancel,
+    DecodeTask,
+    ErrorType,
+    ExpectHandoff,
+    FastGenProfilePart,
+    Heartbeat,
+    KvChunk,
+    KvEvent,
+    PrefillTask,
+    Role,
+    Sampling,
+    Snapshot,
+    SnapshotRequest,
+    StreamEvent,
+    SubmitReply,
+    SubmitRequest,
+)
+from shared.wire.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjects, is_valid_request_id
+
+__all__ = [
+    "PROTOCOL_VERSION", "PREFILL_QUEUE", "SCHEDULER_QUEUE", "Ack", "BlockGet", "BlockHas", "BlockHasReply",
+    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "ExpectHandoff", "FastGenProfilePart", "Heartbeat",
+    "KvChunk", "KvEvent", "Message",
+    "PrefillTask", "ProtocolError", "Role", "Sampling", "Snapshot", "SnapshotRequest", "StreamEvent", "SubmitReply",
+    "SubmitRequest", "Subjects",
+    "decode", "encode", "is_valid_request_id", "message", "message_types",
+]

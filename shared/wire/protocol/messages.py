@@ -1,0 +1,394 @@
+"""Every message that crosses NATS, as frozen dataclasses registered by kind (see `base.py` for the encoding).
+
+KV payload bytes inside messages are made by `shared.wire.kv_transfer.chunks`, not here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from shared.wire.protocol.base import Message, message
+from shared.wire.sampling import SamplingParams
+
+
+class Role(enum.StrEnum):
+    GATEWAY = "gateway"
+    SCHEDULER = "scheduler"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    CACHE_STORE = "cache-store"
+
+
+class ErrorType(enum.StrEnum):
+    """Why a request failed; the gateway maps these to HTTP statuses."""
+
+    REJECTED = "rejected"  # admission said no (HTTP 429)
+    UNAVAILABLE = "unavailable"  # no live instance, or one died holding the request (HTTP 503)
+    KV_TRANSFER = "kv_transfer"  # missing or corrupt KV chunks (HTTP 502)
+    INVALID = "invalid"  # the request cannot be served as asked (HTTP 400)
+    INTERNAL = "internal"  # a bug (HTTP 500)
+
+
+# ---- requests ------------------------------------------------------------------------------------------------
+
+
+@message("sampling")
+@dataclass(frozen=True)
+class Sampling(Message):
+    """`SamplingParams` on the wire (stop strings as a list)."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> Sampling:
+        return cls(
+            params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, list(params.stop),
+            params.ignore_eos, params.min_tokens,
+        )
+
+    def to_params(self) -> SamplingParams:
+        """Raises ValueError for out-of-range values."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stop=tuple(self.stop), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+        )
+
+
+@message("submit")
+@dataclass(frozen=True)
+class SubmitRequest(Message):
+    """gateway -> scheduler (request/reply on `sched.submit`): place this request. Reply: `SubmitReply`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks (docs/block-hash.md)
+    sampling: Sampling
+    arrival_time: float  # unix seconds at the gateway
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+
+
+@message("submit-reply")
+@dataclass(frozen=True)
+class SubmitReply(Message):
+    """scheduler -> gateway: where the request went, or why it was not accepted."""
+
+    VERSION: ClassVar[int] = 2
+
+    request_id: str
+    accepted: bool
+    prefill_id: str = ""
+    decode_id: str = ""
+    error_type: str = ""  # an ErrorType value when not accepted
+    reason: str = ""
+    retry_after_s: float = 0.0
+    reason_code: str = ""  # short and stable, for metrics labels: "ttft_slo", "tbt_slo", "no_prefill", "no_decode"
+
+
+@message("prefill-task")
+@dataclass(frozen=True)
+class PrefillTask(Message):
+    """scheduler -> one prefill instance (`prefill.<id>.run`): compute the prompt and hand it to `decode_id`.
+
+    Also scheduler -> the decode instance itself (`decode.<id>.run`, conditional disaggregation): a short or mostly
+    cached prompt is then prefilled where it will be decoded. `fetch_from_pool` says whether to load the prefix the
+    cache-store holds beyond the local cache (the Conductor's balancing decision).
+    """
+
+    VERSION: ClassVar[int] = 2
+    request_id: str
+    prompt_ids: list[int]
+    block_hashes: list[int]
+    sampling: Sampling
+    decode_id: str
+    arrival_time: float
+    fetch_from_pool: bool = True
+
+
+@message("expect-handoff")
+@dataclass(frozen=True)
+class ExpectHandoff(Message):
+    """scheduler -> decode (`decode.<id>.run`), before it sends the `PrefillTask`: `prefill_id` will hand this request
+    over. Its KV stream may then use decode's whole KV buffer (streams nobody announced get a small share of it)."""
+
+    request_id: str
+    prefill_id: str
+    num_prompt_tokens: int
+
+
+@message("decode-task")
+@dataclass(frozen=True)
+class DecodeTask(Message):
+    """prefill -> decode (`decode.<id>.run`), sent after the last KV chunk: continue this request.
+
+    The prompt's KV arrives as `num_chunks` `KvChunk`s on `decode.<id>.kv`; `first_token` was sampled by prefill
+    and already streamed to the gateway, together with the first `num_emitted_chars` characters of text.
+    """
+
+    VERSION: ClassVar[int] = 2
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int
+    num_emitted_chars: int
+    sampling: Sampling
+    num_chunks: int
+    num_cached_tokens: int
+    prefill_id: str
+    num_profile_parts: int = 0  # FastGenProfilePart messages that come with the KV (0: keep every token)
+
+
+@message("fastgen-profile-part")
+@dataclass(frozen=True)
+class FastGenProfilePart(Message):
+    """prefill -> decode (`decode.<id>.kv`), after the prompt's KV chunks: one part of its FastGen profile, so decode
+    keeps per layer and KV head only what that head's policy keeps (`shared.fastgen.wire`).
+
+    `policies` is uint8 [num_layers, num_kv_heads] (every part repeats it); the parts' `data`, joined in `seq` order,
+    is the prompt's accumulated attention, float32 [num_layers, num_kv_heads, num_tokens], compressed as `codec`
+    says; `checksum` is xxh3-64 of this part's `data`.
+    """
+
+    request_id: str
+    seq: int
+    total: int
+    num_tokens: int
+    policies: bytes
+    codec: str
+    raw_size: int
+    checksum: int
+    data: bytes
+
+
+@message("kv-chunk")
+@dataclass(frozen=True)
+class KvChunk(Message):
+    """One piece of a request's prompt KV (prefill -> decode on `decode.<id>.kv`).
+
+    `data` holds layers [layer_start, layer_end) x K/V x kv heads x tokens [token_start, token_end) x head dim
+    in `dtype`, compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes. With `kv_format` set (an
+    engine's KV codec, see `shared.wire.kv_transfer.packed`) it holds one layer's whole blocks as that codec's
+    bytes, then the partial last block's tokens in `dtype`.
+    """
+
+    request_id: str
+    seq: int  # 0 .. total-1
+    total: int
+    layer_start: int
+    layer_end: int
+    token_start: int
+    token_end: int
+    dtype: str
+    codec: str  # "raw" or "lz4-shuffle"
+    raw_size: int
+    checksum: int
+    data: bytes
+    kv_format: str = ""  # "" for raw tensors; else the engines' KV format (EngineConfig.kv_format)
+
+
+# ---- streaming back to the gateway ----------------------------------------------------------------------------
+
+
+@message("stream-event")
+@dataclass(frozen=True)
+class StreamEvent(Message):
+    """prefill or decode -> gateway (`stream.<request_id>`): new tokens, the end, or a failure.
+
+    `index` is the position of the first token in `token_ids` among the request's output tokens, so the gateway
+    can order events from the two publishers. A failure has `error_type` set and no tokens.
+    """
+
+    VERSION: ClassVar[int] = 2
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error_type: str = ""
+    error: str = ""
+    kv_bytes_saved: int = 0  # decode with FastGen: KV bytes this request does not hold after these tokens
+
+    @classmethod
+    def failure(cls, request_id: str, error_type: str, error: str) -> StreamEvent:
+        """The end of a request that failed (index -1: it is delivered whatever arrived before)."""
+        return cls(request_id, -1, [], "", error_type=error_type, error=error)
+
+
+@message("cancel")
+@dataclass(frozen=True)
+class Cancel(Message):
+    """gateway -> every scheduler, prefill and decode instance (`cancel`): drop this request wherever it is."""
+
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# ---- instances and KV events -------------------------------------------------------------------------------
+
+
+@message("heartbeat")
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Every instance -> scheduler and gateway (`sched.heartbeat.<role>.<instance>`), every `TSUKIMI_HEARTBEAT_S`:
+    alive, and how loaded.
+
+    `epoch` changes when the instance restarts (its caches are then empty); `request_ids` are the requests it
+    holds now, so the scheduler can fail them if the instance dies.
+    """
+
+    VERSION: ClassVar[int] = 4
+
+    instance_id: str
+    role: str
+    epoch: int
+    sent_at: float
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    # Step timings since the last beat, for the Conductor's cost models. Prefill: [new tokens, attention work
+    # (sum over the step's new tokens of the context each attends to), seconds]; decode: [batch size, total context
+    # tokens, seconds].
+    samples: list[list[float]] = field(default_factory=list)
+    fetch_bytes_per_s: float = 0.0  # prefill: measured cache-store -> prefill bandwidth (0: not measured yet)
+    block_bytes: int = 0  # prefill and decode: bytes of one KV block (all layers), for transfer-time estimates
+    # KV figures for /metrics. kv_format: how the engine stores KV blocks (EngineConfig.kv_format); kv_block_tokens:
+    # tokens per block; kv_stored_bytes / kv_stored_blocks: what the cache-store's DRAM tier holds; kv_moved_bytes /
+    # kv_moved_tokens: since start, prompt KV sent (prefill) or received (decode) on the wire, and its prompt tokens.
+    kv_format: str = ""
+    kv_block_tokens: int = 0
+    kv_stored_bytes: int = 0
+    kv_stored_blocks: int = 0
+    kv_moved_bytes: int = 0
+    kv_moved_tokens: int = 0
+    kv_saved_bytes: int = 0  # decode with FastGen: KV bytes its running requests do not hold (against full caches)
+    max_num_seqs: int = 0  # prefill and decode: the most sequences a step runs (0: not reported)
+
+
+@message("kv-event")
+@dataclass(frozen=True)
+class KvEvent(Message):
+    """A cache's change (`kv.events.<role>.<instance>`): blocks `stored`, `removed`, or everything `cleared`.
+
+    `seq` counts events per (instance, epoch); a gap tells the listener to ask for a snapshot.
+    """
+
+    VERSION: ClassVar[int] = 2
+
+    instance_id: str
+    epoch: int
+    seq: int
+    kind: str  # "stored", "removed", "cleared"
+    block_hashes: list[int] = field(default_factory=list)
+    role: str = ""  # the sender's role, which its subject names too
+
+
+# ---- cache-store --------------------------------------------------------------------------------------------
+
+
+@message("snapshot-request")
+@dataclass(frozen=True)
+class SnapshotRequest(Message):
+    """Ask an instance for every block its cache holds (`snapshot.<role>.<instance>`, request/reply -> `Snapshot`): the
+    scheduler's resync after a gap in that instance's KV events or a new epoch."""
+
+    instance_id: str
+
+
+@message("snapshot")
+@dataclass(frozen=True)
+class Snapshot(Message):
+    """Every block hash one instance's cache holds, as of its KV event `seq` in `epoch` (events after it apply on
+    top)."""
+
+    instance_id: str
+    epoch: int
+    seq: int  # the seq of the last event already reflected here (-1: none yet)
+    block_hashes: list[int] = field(default_factory=list)
+
+
+@message("block-put")
+@dataclass(frozen=True)
+class BlockPut(Message):
+    """Part `part` of `num_parts` of one block's bytes (`cache.<shard>.put`, request/reply -> `Ack`).
+
+    The store commits a block only when every part arrived and verified (two-phase: parts, then commit). `tag` binds
+    the part to its block hash and place under the writers' key (`shared.wire.block_integrity`); the store keeps it and
+    readers check it. `replace` (part 0): the copy stored under this hash failed a reader's check; put this instead.
+    """
+
+    VERSION: ClassVar[int] = 2
+
+    block_hash: int
+    part: int
+    num_parts: int
+    codec: str
+    raw_size: int
+    checksum: int
+    data: bytes
+    tag: bytes = b""
+    replace: bool = False
+
+
+@message("block-get")
+@dataclass(frozen=True)
+class BlockGet(Message):
+    """Ask for part `part` of a stored block (`cache.<shard>.get`, request/reply -> `BlockPart`)."""
+
+    block_hash: int
+    part: int = 0
+
+
+@message("block-part")
+@dataclass(frozen=True)
+class BlockPart(Message):
+    """One part of a stored block (with the `tag` it was put with), or `found=False`."""
+
+    VERSION: ClassVar[int] = 2
+
+    block_hash: int
+    found: bool
+    part: int = 0
+    num_parts: int = 0
+    codec: str = "raw"
+    raw_size: int = 0
+    checksum: int = 0
+    data: bytes = b""
+    tag: bytes = b""
+
+
+@message("block-has")
+@dataclass(frozen=True)
+class BlockHas(Message):
+    """Which of these blocks does the shard hold (`cache.<shard>.has`, request/reply -> `BlockHasReply`)."""
+
+    block_hashes: list[int]
+
+
+@message("block-has-reply")
+@dataclass(frozen=True)
+class BlockHasReply(Message):
+    present: list[bool]
+
+
+@message("ack")
+@dataclass(frozen=True)
+class Ack(Message):
+    """A generic reply: ok, or an error message."""
+
+    ok: bool = True
+    error: str = ""
+
+
