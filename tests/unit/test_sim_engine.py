@@ -23,8 +23,8 @@ from shared.sim.engine import (
     SimRunner,
     build_sim_engine,
     sim_checkpoint,
-    sim_model_name,
 )
+from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import GpuSpec, SimProfile, get_profile
 from shared.wire.kv_transfer.chunks import KvAssembly, chunk_layer_kv, num_kv_chunks
 from shared.wire.payload import SizeOnly

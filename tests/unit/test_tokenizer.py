@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders
 
-from shared.model.checkpoint import default_model_path
-from shared.model.gguf_file import read_gguf_metadata
+from shared.model.gguf_header import read_gguf_metadata
+from shared.model.manifest import default_model_path
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SYSTEM_DEFAULT = (

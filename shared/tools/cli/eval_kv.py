@@ -16,7 +16,7 @@ import torch
 from shared.kvcompress.bundled import resolve_calibration
 from shared.kvcompress.calibration import KvCalibrationError, load_calibration
 from shared.kvcompress.evaluate import evaluate_codec
-from shared.kvcompress.registry import CODEC_NAMES, needs_calibration
+from shared.kvcompress.names import CODEC_NAMES, needs_calibration
 from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
 from shared.model.checkpoint import load_checkpoint
 from shared.tools.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, check_http_exposure, load_settings
 from shared.engine.config import KV_POLICIES
-from shared.sim.engine import sim_model_name
+from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
 from shared.tools.cli.common import CliError, add_kv_codec_args, positive_int
 from shared.tools.cli.secrets import LocalSecrets
