@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cache_stack import Stack
 
-from services.cache_store import MAX_EVENT_HASHES, CacheStoreService, stats_fields
+from services.cache_store.service import MAX_EVENT_HASHES, CacheStoreService, stats_fields
 from services.cache_store.tiers.block import StoredBlock
 from shared.config import load_settings
 from shared.wire.bus import BusError

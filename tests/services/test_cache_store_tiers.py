@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_cache_store import REPO, Stack, until
 
-from services.cache_store import CacheStoreService
+from services.cache_store.service import CacheStoreService
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.protocol import BlockHas, BlockHasReply, KvEvent, Message, Snapshot, SnapshotRequest
