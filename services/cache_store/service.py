@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,9 +20,11 @@ from services.cache_store.tiers.block import StoredBlock, part_size
 from services.cache_store.tiers.dram import DramTier
 from services.cache_store.tiers.ssd import SsdTier
 from services.cache_store.tiers.tiers import CacheStats, TieredStore
+from services.common.tasks import BackgroundTasks
 from shared.config import ConfigError, Settings
-from shared.wire.bus import Bus, Handler
+from shared.wire.bus import Bus
 from shared.wire.heartbeat import HeartbeatSender, Load
+from shared.wire.kv_events import CLEARED, STORED, KvEventLog, KvEventPublisher
 from shared.wire.log import get_logger
 from shared.wire.payload import CODEC_SIZE_ONLY, checksum
 from shared.wire.protocol import (
@@ -33,8 +34,6 @@ from shared.wire.protocol import (
     BlockHasReply,
     BlockPart,
     BlockPut,
-    KvEvent,
-    Message,
     Role,
     Snapshot,
     SnapshotRequest,
@@ -44,7 +43,6 @@ log = get_logger(__name__)
 
 PENDING_TIMEOUT_S = 30.0  # a put whose parts stop arriving is dropped after this long
 STATS_LOG_S = 30.0  # a "cache stats" log line this often
-MAX_EVENT_HASHES = 8192  # hashes per KvEvent (a restart re-announces a whole SSD tier; keep each message small)
 
 
 @dataclass
@@ -85,9 +83,10 @@ class CacheStoreService:
         self.heartbeat = HeartbeatSender(
             bus, settings.instance_id, Role.CACHE_STORE.value, settings.heartbeat_s, self.load
         )
-        self.next_seq = 0  # of the next KvEvent in this epoch
-        self._outbox: deque[KvEvent] = deque()
-        self._publisher: asyncio.Task[None] | None = None
+        self.events = KvEventLog(settings.instance_id, self.heartbeat.epoch, Role.CACHE_STORE)
+        events_subject = bus.subjects.kv_events(Role.CACHE_STORE, settings.instance_id)
+        self._events_out = KvEventPublisher(bus, self.events, events_subject)
+        self.tasks = BackgroundTasks()  # event publishes
         self._stats_logger: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
 
@@ -100,23 +99,21 @@ class CacheStoreService:
         """
         subjects = self.bus.subjects
         me = self.settings.instance_id  # snapshots first: a listener that missed seq 0 can resync
-        snapshots = await self.bus.serve(subjects.snapshot(Role.CACHE_STORE, me), self.handle_snapshot,
-                                         kinds=(SnapshotRequest,))
+        snapshot_subject = subjects.snapshot(Role.CACHE_STORE, me)
+        snapshots = await self.bus.route(snapshot_subject, {SnapshotRequest: self.handle_snapshot})
         self._subscriptions.append(snapshots)
         try:
             reindexed = await self.store.open()
         except OSError as exc:
             raise ConfigError(f"TSUKIMI_CACHE_SSD_DIR={self.settings.cache_ssd_dir}: {exc}") from None
-        self._record("cleared", [])
-        self._record("stored", reindexed)
+        self._record(CLEARED, [])
+        self._record(STORED, reindexed)
         await self.publish_events()
-        routes: list[tuple[str, Handler, type[Message]]] = [
-            (subjects.cache_put(self.shard), self.handle_put, BlockPut),
-            (subjects.cache_get(self.shard), self.handle_get, BlockGet),
-            (subjects.cache_has(self.shard), self.handle_has, BlockHas),
+        self._subscriptions += [
+            await self.bus.route(subjects.cache_put(self.shard), {BlockPut: self.handle_put}),
+            await self.bus.route(subjects.cache_get(self.shard), {BlockGet: self.handle_get}),
+            await self.bus.route(subjects.cache_has(self.shard), {BlockHas: self.handle_has}),
         ]
-        for subject, handler, kind in routes:
-            self._subscriptions.append(await self.bus.serve(subject, handler, kinds=(kind,)))
         self.heartbeat.start()
         self._stats_logger = asyncio.create_task(self._log_stats(), name="cache-stats")
         log.info(
@@ -138,10 +135,9 @@ class CacheStoreService:
             await asyncio.gather(self._stats_logger, return_exceptions=True)
         self.pending.clear()
         await self.store.close()
-        self._record("cleared", [])
-        await self.publish_events()
-        if self._publisher is not None:
-            await asyncio.gather(self._publisher, return_exceptions=True)
+        self._record(CLEARED, [])
+        await self.publish_events()  # after any flush in progress: every event out, `cleared` last
+        await self.tasks.close()
 
     def load(self) -> Load:
         dram = self.store.dram
@@ -203,27 +199,16 @@ class CacheStoreService:
 
     async def handle_snapshot(self, msg: SnapshotRequest) -> Snapshot:
         """Every hash held in any tier, as of the last event recorded (events after `seq` apply on top)."""
-        return Snapshot(self.settings.instance_id, self.heartbeat.epoch, self.next_seq - 1, self.store.hashes())
+        return await self._events_out.snapshot()
 
     async def publish_events(self) -> None:
         """Publish the recorded events in order; a lost one shows as a gap in `seq`, which makes listeners resync."""
-        subject = self.bus.subjects.kv_events(Role.CACHE_STORE, self.settings.instance_id)
-        while self._outbox:
-            event = self._outbox.popleft()
-            try:
-                await self.bus.publish(subject, event)
-            except nats.errors.Error as exc:
-                log.warning("kv event lost", kind=event.kind, seq=event.seq, error=str(exc))
+        await self._events_out.flush()
 
     def _record(self, kind: str, block_hashes: list[int]) -> None:
-        """Give the change its seqs now (snapshots stay exact) and publish it soon, in order."""
-        chunks = [block_hashes[i : i + MAX_EVENT_HASHES] for i in range(0, len(block_hashes), MAX_EVENT_HASHES)]
-        for chunk in chunks or ([[]] if kind == "cleared" else []):
-            self._outbox.append(KvEvent(self.settings.instance_id, self.heartbeat.epoch, self.next_seq, kind, chunk,
-                                        Role.CACHE_STORE))
-            self.next_seq += 1
-        if self._outbox and (self._publisher is None or self._publisher.done()):
-            self._publisher = asyncio.get_running_loop().create_task(self.publish_events(), name="kv-events")
+        """The tiers' hook: record the change, and publish it soon, in order."""
+        self.events.record(kind, block_hashes)
+        self.tasks.spawn(self._events_out.flush(), "kv-events")
 
     def _check_part(self, msg: BlockPut) -> str:
         """Why this part cannot be buffered, or "" when it can."""

@@ -35,7 +35,6 @@ from shared.wire.protocol import (
     ExpectHandoff,
     FastGenProfilePart,
     KvChunk,
-    Message,
     PrefillTask,
     Role,
     StreamEvent,
@@ -101,10 +100,12 @@ class DecodeService:
             with self._lock:
                 self._samples += samples
         s, me = self.bus.subjects, self.settings.instance_id
-        await self.bus.serve(s.decode_kv(me), self.handle_message, kinds=(KvChunk, FastGenProfilePart))
-        await self.bus.serve(s.decode_run(me), self.handle_message,
-                             kinds=(DecodeTask, PrefillTask, ExpectHandoff, Cancel))
-        await self.bus.serve(s.cancel, self.handle_broadcast_cancel, kinds=(Cancel,))
+        await self.bus.route(s.decode_kv(me), {KvChunk: self.on_chunk, FastGenProfilePart: self.on_profile_part})
+        await self.bus.route(s.decode_run(me), {
+            ExpectHandoff: self.on_expect_handoff, DecodeTask: self.on_decode_task, PrefillTask: self.on_prefill_task,
+            Cancel: self.on_prefill_cancel,
+        })
+        await self.bus.route(s.cancel, {Cancel: self.on_broadcast_cancel})
         self.host.start(self._tick, self._deliver)
         self._deadline_task = asyncio.create_task(self._enforce_deadlines())
         self._heartbeat.start()
@@ -138,44 +139,42 @@ class DecodeService:
             kv_moved_tokens=self._moved_tokens, kv_saved_bytes=self._kv_saved_bytes,
         )
 
-    async def handle_message(self, msg: Message) -> None:
-        if isinstance(msg, KvChunk):
-            error = self.receiver.add(msg)
-            if error is not None:
-                self._waiting.pop(msg.request_id, None)
-                self.profiles.discard(msg.request_id)
-                await self._fail(msg.request_id, str(error))
-                return
-            await self._maybe_ready(msg.request_id)
-        elif isinstance(msg, FastGenProfilePart):
-            if msg.request_id not in self.receiver:  # no KV stream (failed, cancelled or never opened): nothing to join
-                return
-            try:
-                self.profiles.add(msg)
-            except ProfileError as exc:
-                self._waiting.pop(msg.request_id, None)
-                self.receiver.discard(msg.request_id)
-                self.profiles.discard(msg.request_id)
-                await self._fail(msg.request_id, str(exc))
-                return
-            await self._maybe_ready(msg.request_id)
-        elif isinstance(msg, DecodeTask):
-            await self._decode_task(msg)
-        elif isinstance(msg, PrefillTask):
-            await self._prefill_here(msg)
-        elif isinstance(msg, ExpectHandoff):
-            self.receiver.expect(msg.request_id)
-        elif isinstance(msg, Cancel):  # from the prefill instance (finished or failed there): it told the client
-            self._cancel(msg)
+    async def on_chunk(self, msg: KvChunk) -> None:
+        error = self.receiver.add(msg)
+        if error is not None:
+            self._waiting.pop(msg.request_id, None)
+            self.profiles.discard(msg.request_id)
+            await self._fail(msg.request_id, str(error))
+            return
+        await self._maybe_ready(msg.request_id)
 
-    async def handle_broadcast_cancel(self, msg: Message) -> None:
+    async def on_profile_part(self, msg: FastGenProfilePart) -> None:
+        if msg.request_id not in self.receiver:  # no KV stream (failed, cancelled or never opened): nothing to join
+            return
+        try:
+            self.profiles.add(msg)
+        except ProfileError as exc:
+            self._waiting.pop(msg.request_id, None)
+            self.receiver.discard(msg.request_id)
+            self.profiles.discard(msg.request_id)
+            await self._fail(msg.request_id, str(exc))
+            return
+        await self._maybe_ready(msg.request_id)
+
+    async def on_expect_handoff(self, msg: ExpectHandoff) -> None:
+        self.receiver.expect(msg.request_id)
+
+    async def on_prefill_cancel(self, msg: Cancel) -> None:
+        """From the prefill instance (the request finished or failed there): it told the client already."""
+        self._cancel(msg)
+
+    async def on_broadcast_cancel(self, msg: Cancel) -> None:
         """Drop the request wherever it is here, and say so on its stream: whoever cancelled it, its client hears
         (a gateway that cancelled has stopped listening)."""
-        assert isinstance(msg, Cancel)
         if self._cancel(msg):
             await self._fail(msg.request_id, f"the request was cancelled: {msg.reason}", ErrorType.UNAVAILABLE)
 
-    async def _decode_task(self, task: DecodeTask) -> None:
+    async def on_decode_task(self, task: DecodeTask) -> None:
         request_id = task.request_id
         if self.receiver.is_closed(request_id):  # its KV stream failed (already reported) or was cancelled
             log.info("decode task after its KV stream closed: dropped", request_id=request_id)
@@ -186,7 +185,7 @@ class DecodeService:
         self._waiting[request_id] = _Waiting(task, time.monotonic())
         await self._maybe_ready(request_id)
 
-    async def _prefill_here(self, task: PrefillTask) -> None:
+    async def on_prefill_task(self, task: PrefillTask) -> None:
         """Conditional disaggregation: the scheduler judged this prompt cheaper to compute here than to move."""
         try:
             params = task.sampling.to_params()

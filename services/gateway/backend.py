@@ -12,7 +12,7 @@ from nats.aio.subscription import Subscription
 from shared.wire.bus import Bus, BusError
 from shared.wire.heartbeat import LiveInstances
 from shared.wire.log import get_logger
-from shared.wire.protocol import Cancel, Heartbeat, Message, Role, StreamEvent, SubmitReply, SubmitRequest
+from shared.wire.protocol import Cancel, Heartbeat, Role, StreamEvent, SubmitReply, SubmitRequest
 
 log = get_logger(__name__)
 # /health needs one live instance of each (a colocated deployment: no prefill)
@@ -72,8 +72,8 @@ class _NatsEventStream:
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.subscription: Subscription | None = None
 
-    async def on_message(self, msg: Message) -> None:
-        if isinstance(msg, StreamEvent) and msg.request_id == self.request_id:
+    async def on_message(self, msg: StreamEvent) -> None:
+        if msg.request_id == self.request_id:
             self.queue.put_nowait(msg)
         else:
             log.warning("unexpected message on a stream subject", request_id=self.request_id, kind=msg.KIND)
@@ -120,8 +120,8 @@ class NatsBackend:
         """Start following heartbeats and the scheduler's failures."""
         subjects = self.bus.subjects
         self._subscriptions = [
-            await self.bus.serve(subjects.heartbeat_all, self._on_heartbeat, kinds=(Heartbeat,), bind_sender=True),
-            await self.bus.serve(subjects.failed, self._on_failure, kinds=(StreamEvent,)),
+            await self.bus.route(subjects.heartbeat_all, {Heartbeat: self._on_heartbeat}, bind_sender=True),
+            await self.bus.route(subjects.failed, {StreamEvent: self._on_failure}),
         ]
 
     async def stop(self) -> None:
@@ -129,21 +129,20 @@ class NatsBackend:
             await subscription.unsubscribe()
         self._subscriptions = []
 
-    async def _on_failure(self, msg: Message) -> None:
-        stream = self.streams.get(msg.request_id) if isinstance(msg, StreamEvent) and msg.error_type else None
+    async def _on_failure(self, msg: StreamEvent) -> None:
+        stream = self.streams.get(msg.request_id) if msg.error_type else None
         if stream is not None:
             await stream.on_message(msg)
 
-    async def _on_heartbeat(self, msg: Message) -> None:
-        if isinstance(msg, Heartbeat):
-            self.live.record(msg)
-            self.live.forget_silent()
+    async def _on_heartbeat(self, msg: Heartbeat) -> None:
+        self.live.record(msg)
+        self.live.forget_silent()
 
     async def open_stream(self, request_id: str) -> EventStream:
         stream = _NatsEventStream(self, request_id)
-        # serve() flushes: the server holds the subscription before the submit that triggers publishing.
-        stream.subscription = await self.bus.serve(self.bus.subjects.stream(request_id), stream.on_message,
-                                                   kinds=(StreamEvent,))
+        # route() flushes: the server holds the subscription before the submit that triggers publishing.
+        subject = self.bus.subjects.stream(request_id)
+        stream.subscription = await self.bus.route(subject, {StreamEvent: stream.on_message})
         self.streams[request_id] = stream
         return stream
 

@@ -1,2 +1,2 @@
 """The prefill service (`python -m services.prefill`): `service` serves tasks, `fetch` loads prefixes from the
-cache-store layer by layer, `events` reports the local prefix cache, `measure` keeps the figures heartbeats carry."""
+cache-store layer by layer, `measure` keeps the figures heartbeats carry."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.engine_host import EngineHost
+from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_prefill_steps
-from services.prefill.events import KvEventLog
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
 from shared.config import Settings
@@ -30,6 +30,7 @@ from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.heartbeat import HeartbeatSender, Load
+from shared.wire.kv_events import KvEventLog, KvEventPublisher
 from shared.wire.kv_transfer.chunks import chunk_layer_kv, num_kv_chunks
 from shared.wire.kv_transfer.packed import PackedLayerKv, chunk_packed_layer, num_packed_chunks
 from shared.wire.log import get_logger
@@ -38,8 +39,6 @@ from shared.wire.protocol import (
     Cancel,
     DecodeTask,
     ErrorType,
-    KvEvent,
-    Message,
     PrefillTask,
     Role,
     Snapshot,
@@ -84,10 +83,11 @@ class PrefillService:
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.PREFILL, settings.heartbeat_s, self.load)
-        self.events = KvEventLog(settings.instance_id, self._heartbeat.epoch)
+        self.events = KvEventLog(settings.instance_id, self._heartbeat.epoch, Role.PREFILL)
         engine.block_manager.on_event = self.events.record
-        self._events_lock = asyncio.Lock()  # events go out in seq order
-        self._flushes: set[asyncio.Task[None]] = set()
+        events_subject = bus.subjects.kv_events(Role.PREFILL, settings.instance_id)
+        self._events_out = KvEventPublisher(bus, self.events, events_subject)
+        self.tasks = BackgroundTasks()  # KV sends, cache puts, event publishes
         self.samples = StepSamples()
         self._last_stats: StepStats | None = None
         self.loader = None if cache is None else StoreLoader(
@@ -107,9 +107,9 @@ class PrefillService:
             for stats in await self.host.call(time_prefill_steps, self.engine):
                 self.samples.add(stats)
         subjects, me = self.bus.subjects, self.settings.instance_id
-        await self.bus.serve(subjects.prefill_run(me), self.handle_task, kinds=(PrefillTask,))
-        await self.bus.serve(subjects.cancel, self.handle_cancel, kinds=(Cancel,))
-        await self.bus.serve(subjects.snapshot(Role.PREFILL, me), self.handle_snapshot, kinds=(SnapshotRequest,))
+        await self.bus.route(subjects.prefill_run(me), {PrefillTask: self.handle_task})
+        await self.bus.route(subjects.cancel, {Cancel: self.handle_cancel})
+        await self.bus.route(subjects.snapshot(Role.PREFILL, me), {SnapshotRequest: self.handle_snapshot})
         self.host.start(self._tick, self._deliver)
         self._heartbeat.start()
         await self._heartbeat.send_now()
@@ -124,6 +124,7 @@ class PrefillService:
         if self.loader is not None:
             await self.loader.stop()
         await self.host.stop()
+        await self.tasks.close()
         self._encoder.shutdown(wait=True)
 
     def load(self) -> Load:
@@ -141,8 +142,7 @@ class PrefillService:
             kv_moved_tokens=self._moved_tokens, max_num_seqs=self.engine.runner.max_num_seqs,
         )
 
-    async def handle_task(self, msg: Message) -> None:
-        assert isinstance(msg, PrefillTask)
+    async def handle_task(self, msg: PrefillTask) -> None:
         try:
             params = msg.sampling.to_params()
             self.engine.check_prompt(msg.prompt_ids)  # before any work: its ids hash, load and compute
@@ -157,10 +157,9 @@ class PrefillService:
         self._held[msg.request_id] = held
         log.info("prefill queued", request_id=msg.request_id, prompt_tokens=len(msg.prompt_ids), decode=msg.decode_id,
                  fetch_from_pool=msg.fetch_from_pool)
-        asyncio.create_task(self._admit(held, params))
+        self.tasks.spawn(self._admit(held, params), f"admit-{msg.request_id}")
 
-    async def handle_cancel(self, msg: Message) -> None:
-        assert isinstance(msg, Cancel)
+    async def handle_cancel(self, msg: Cancel) -> None:
         held = self._held.get(msg.request_id)
         if held is not None:
             held.cancelled = True
@@ -170,13 +169,9 @@ class PrefillService:
             # whoever cancelled it, its client hears (a gateway that cancelled has stopped listening)
             await self._fail(msg.request_id, ErrorType.UNAVAILABLE, f"the request was cancelled: {msg.reason}")
 
-    async def handle_snapshot(self, msg: Message) -> Snapshot:
+    async def handle_snapshot(self, msg: SnapshotRequest) -> Snapshot:
         """Every hash in the local prefix cache, as of the last KV event (those numbered on the way go out first)."""
-        assert isinstance(msg, SnapshotRequest)
-        async with self._events_lock:
-            snapshot, events = self.events.snapshot()
-            await self._publish_events(events)
-        return snapshot
+        return await self._events_out.snapshot()
 
     def _num_chunks(self, num_tokens: int) -> int:
         cfg = self.engine.model_config
@@ -291,13 +286,18 @@ class PrefillService:
                 await self.bus.publish(subject, chunk)
 
         def settle(task: asyncio.Future[None]) -> None:
+            if done.done():
+                return
+            if task.cancelled():  # the service is stopping
+                done.cancel()
+                return
             error = task.exception()
             if error is not None:
                 done.set_exception(error)
             else:
                 done.set_result(None)
 
-        asyncio.ensure_future(send()).add_done_callback(settle)
+        self.tasks.spawn(send(), f"send-kv-{held.task.request_id}-{layer_idx}").add_done_callback(settle)
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
@@ -316,7 +316,7 @@ class PrefillService:
                 continue
             await self._hand_off(held, out)
             if new_blocks is not None:
-                asyncio.create_task(self._store_blocks(held, new_blocks))
+                self.tasks.spawn(self._store_blocks(held, new_blocks), f"store-blocks-{out.request_id}")
 
     async def _hand_off(self, held: _Held, out: RequestOutput) -> None:
         task, subjects = held.task, self.bus.subjects
@@ -350,22 +350,7 @@ class PrefillService:
             await self.cache.put_block(held.hashes[first + i], data, align_bytes=layer_bytes)
 
     def _flush_events(self) -> None:
-        task = asyncio.ensure_future(self._publish_pending_events())
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
-
-    async def _publish_pending_events(self) -> None:
-        async with self._events_lock:
-            await self._publish_events(self.events.take())
-
-    async def _publish_events(self, events: list[KvEvent]) -> None:
-        """Publish in order; a lost one shows as a gap in `seq`, which makes listeners ask for a snapshot."""
-        subject = self.bus.subjects.kv_events(Role.PREFILL, self.settings.instance_id)
-        for event in events:
-            try:
-                await self.bus.publish(subject, event)
-            except Exception as exc:
-                log.warning("kv event lost", seq=event.seq, kind=event.kind, error=str(exc))
+        self.tasks.spawn(self._events_out.flush(), "kv-events")
 
     async def _fail_handed(self, held: _Held, error_type: ErrorType, error: str) -> None:
         """Fail a request whose KV may have started towards decode: decode drops what it got."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 
+from services.common.tasks import BackgroundTasks
 from services.scheduler.admission import Slos, admit
 from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
 from services.scheduler.estimates import ClusterView, Tracked
@@ -28,7 +29,6 @@ from shared.wire.protocol import (
     ExpectHandoff,
     Heartbeat,
     KvEvent,
-    Message,
     PrefillTask,
     Role,
     Snapshot,
@@ -66,7 +66,7 @@ class SchedulerService:
         self.slos = Slos(settings.slo_ttft_s, settings.slo_tbt_s, settings.rejection)
         self.tracked: dict[str, Tracked] = {}
         self.num_rejected: dict[str, int] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.tasks = BackgroundTasks()  # snapshot resyncs
         self._monitor: asyncio.Task[None] | None = None
         # Beats too, so that the gateway's /health can tell a live scheduler from none.
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.SCHEDULER, settings.heartbeat_s,
@@ -86,10 +86,10 @@ class SchedulerService:
 
     async def start(self) -> None:
         s = self.bus.subjects
-        await self.bus.serve(s.submit, self.handle_submit, queue=SCHEDULER_QUEUE, kinds=(SubmitRequest,))
-        await self.bus.serve(s.heartbeat_all, self.handle_heartbeat, kinds=(Heartbeat,), bind_sender=True)
-        await self.bus.serve(s.kv_events_all, self.handle_kv_event, kinds=(KvEvent,), bind_sender=True)
-        await self.bus.serve(s.cancel, self.handle_cancel, kinds=(Cancel,))
+        await self.bus.route(s.submit, {SubmitRequest: self.handle_submit}, queue=SCHEDULER_QUEUE)
+        await self.bus.route(s.heartbeat_all, {Heartbeat: self.handle_heartbeat}, bind_sender=True)
+        await self.bus.route(s.kv_events_all, {KvEvent: self.handle_kv_event}, bind_sender=True)
+        await self.bus.route(s.cancel, {Cancel: self.handle_cancel})
         self._monitor = asyncio.create_task(self._watch_instances())
         self._heartbeat.start()
         log.info("scheduling", policy=self.policy.name, rejection=self.slos.mode,
@@ -97,10 +97,10 @@ class SchedulerService:
 
     async def stop(self) -> None:
         await self._heartbeat.stop()
-        for task in [self._monitor, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in [self._monitor, *self._tasks] if t is not None), return_exceptions=True)
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        await self.tasks.close()
 
     def view(self) -> ClusterView:
         return ClusterView(
@@ -110,8 +110,7 @@ class SchedulerService:
             max_batched_tokens=self.settings.engine.max_num_batched_tokens,
         )
 
-    async def handle_submit(self, msg: Message) -> SubmitReply:
-        assert isinstance(msg, SubmitRequest)
+    async def handle_submit(self, msg: SubmitRequest) -> SubmitReply:
         view = self.view()
         while not self._has_required(view) and time.monotonic() < self._ready_at:
             await asyncio.sleep(0.05)
@@ -160,8 +159,7 @@ class SchedulerService:
                  reused_blocks=option.num_reused_blocks, fetch_from_pool=option.fetch_from_pool,
                  predicted_ttft_s=round(option.ttft_s, 4), predicted_tbt_s=round(placement.tbt_s, 4))
 
-    async def handle_heartbeat(self, msg: Message) -> None:
-        assert isinstance(msg, Heartbeat)
+    async def handle_heartbeat(self, msg: Heartbeat) -> None:
         if msg.role not in (Role.PREFILL, Role.DECODE, Role.CACHE_STORE):
             return  # schedulers and gateways hold no work or cache to place by
         previous = self.instances.instances.get(msg.instance_id)
@@ -185,10 +183,9 @@ class SchedulerService:
             if request_id not in held and tracked.placed_at < cutoff:
                 del self.tracked[request_id]
 
-    async def handle_kv_event(self, msg: Message) -> None:
-        assert isinstance(msg, KvEvent)
+    async def handle_kv_event(self, msg: KvEvent) -> None:
         if self.index.apply(msg):
-            self._spawn(self._resync(msg.role, msg.instance_id))
+            self.tasks.spawn(self._resync(msg.role, msg.instance_id), f"resync-{msg.instance_id}")
 
     async def _resync(self, role: str, instance_id: str) -> None:
         try:
@@ -203,14 +200,8 @@ class SchedulerService:
         self.index.load_snapshot(snapshot)
         log.info("resynced", instance_id=instance_id, epoch=snapshot.epoch, blocks=len(snapshot.block_hashes))
 
-    async def handle_cancel(self, msg: Message) -> None:
-        assert isinstance(msg, Cancel)
+    async def handle_cancel(self, msg: Cancel) -> None:
         self.tracked.pop(msg.request_id, None)
-
-    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _watch_instances(self) -> None:
         while True:

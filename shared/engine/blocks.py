@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 # The hash functions are re-exported: services import them from here.
 from shared.engine.block_checks import InvariantChecks
 from shared.engine.block_hash import block_hashes, chain_hash, hash_block, le_bytes, make_namespace, u32_tokens
+from shared.wire.protocol.messages import REMOVED, STORED  # the BlockManager's event kinds are the KvEvent kinds
 
 __all__ = ["REMOVED", "STORED", "BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks", "block_hashes",
            "hash_block", "make_namespace"]
 
-STORED, REMOVED = "stored", "removed"  # BlockManager event kinds, named as the KvEvent kinds they become
 # Called with (STORED or REMOVED, block hashes) each time blocks enter or leave the prefix-cache index.
 BlockEventHook = Callable[[str, list[int]], None]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import nats
@@ -155,6 +155,17 @@ class Bus:
         sub = await self.client.subscribe(subject, queue=queue, cb=on_msg)
         await self.client.flush()  # the server knows the subscription before we say we serve
         return sub
+
+    async def route(
+        self, subject: str, routes: Mapping[type[Message], Handler], queue: str = "", bind_sender: bool = False
+    ) -> Subscription:
+        """`serve` with a handler per message kind: each message goes to the handler of its kind, any other kind is
+        refused (an endpoint's kinds and handlers declared in one place)."""
+
+        async def dispatch(msg: Message) -> Message | None:
+            return await routes[type(msg)](msg)
+
+        return await self.serve(subject, dispatch, queue, tuple(routes), bind_sender)
 
     def _refusal(self, subject: str, msg: Message, kinds: tuple[type[Message], ...], bind_sender: bool) -> str:
         """Why `msg` may not be handled as a message on `subject`, or "" when it may."""

@@ -126,6 +126,26 @@ async def test_a_subject_refuses_other_kinds_and_messages_that_speak_for_another
     await client.drain()
 
 
+async def test_a_route_sends_each_kind_to_its_handler_and_refuses_the_rest(nats_url: str) -> None:
+    server, client = await _bus(nats_url, "server"), await _bus(nats_url, "client")
+    cancels: list[Cancel] = []
+
+    async def on_cancel(msg: Cancel) -> Ack:
+        cancels.append(msg)
+        return Ack()
+
+    async def on_has(msg: BlockHas) -> BlockHasReply:
+        return BlockHasReply([h % 2 == 0 for h in msg.block_hashes])
+
+    await server.route("t.mixed", {Cancel: on_cancel, BlockHas: on_has})
+    assert (await client.request("t.mixed", BlockHas([1, 2]), BlockHasReply)).present == [False, True]
+    assert (await client.request("t.mixed", Cancel("r"), Ack)).ok and cancels == [Cancel("r")]
+    with pytest.raises(BusError, match="heartbeat is not a message of this subject"):
+        await client.request("t.mixed", Heartbeat("d", "decode", 1, 0.0), Ack)
+    await server.drain()
+    await client.drain()
+
+
 def test_refused_messages_are_logged_once_per_interval_with_a_count() -> None:
     now = [0.0]
     drops = DropLog(interval_s=5.0, clock=lambda: now[0])

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from cache_stack import Stack
 
-from services.cache_store.service import MAX_EVENT_HASHES, CacheStoreService, stats_fields
+from services.cache_store.service import CacheStoreService, stats_fields
 from services.cache_store.tiers.block import StoredBlock
 from shared.config import load_settings
 from shared.wire.bus import BusError
+from shared.wire.kv_events import MAX_EVENT_HASHES
 from shared.wire.payload import checksum
 from shared.wire.protocol import (
     Ack,
@@ -75,7 +76,7 @@ async def test_multi_part_block_round_trips_and_is_announced(stack: Stack) -> No
     stored = KvEvent("cache-0", service.heartbeat.epoch, 1, "stored", [0xDEADBEEF], "cache-store")
     assert events[0] == stored  # 0: "cleared"
     assert await client.put_block(0xDEADBEEF, data)  # a re-put: acknowledged, nothing new
-    assert service.next_seq == 2
+    assert service.events.next_seq == 2
     await until(lambda: any(isinstance(b, Heartbeat) and b.kv_blocks_used == 1 for b in beats))
     beat = next(b for b in beats if isinstance(b, Heartbeat))
     assert (beat.role, beat.instance_id, beat.epoch) == ("cache-store", "cache-0", service.heartbeat.epoch)

@@ -123,7 +123,7 @@ async def test_snapshot_agrees_with_the_events_before_it(stack: Stack, tmp_path:
     for _, kind, hashes in kv_events(events):
         held = held | set(hashes) if kind == "stored" else held - set(hashes)
     assert held == set(snapshot.block_hashes) == set(service.store.hashes())
-    assert {1, 2} <= held and snapshot.seq == service.next_seq - 1
+    assert {1, 2} <= held and snapshot.seq == service.events.next_seq - 1
 
 
 async def test_the_client_falls_back_to_the_replica_shard(stack: Stack) -> None:

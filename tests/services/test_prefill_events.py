@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.prefill.events import KvEventLog
 from services.prefill.measure import MovingRate, StepSamples
 from shared.engine.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
 from shared.engine.engine import StepStats
+from shared.wire.kv_events import KvEventLog
 
 NS = make_namespace("test-model", "fp16")
 
 
 def test_events_are_merged_per_kind_run_numbered_without_gaps_and_mirror_the_index() -> None:
-    log = KvEventLog("p0", epoch=7)
+    log = KvEventLog("p0", epoch=7, role="prefill")
     manager = BlockManager(4, 2, NS, on_event=log.record)
     manager.allocate("a", [1, 2, 3, 4, 5])
     manager.mark_computed("a", 2)
@@ -36,7 +36,7 @@ def test_events_are_merged_per_kind_run_numbered_without_gaps_and_mirror_the_ind
 
 
 def test_a_snapshot_numbers_the_pending_events_it_includes() -> None:
-    log = KvEventLog("p0", epoch=1)
+    log = KvEventLog("p0", epoch=1, role="prefill")
     snapshot, events = log.snapshot()
     assert (snapshot.seq, snapshot.block_hashes, events) == (-1, [], [])
     log.record(STORED, [5, 6])

@@ -10,6 +10,9 @@ from collections.abc import Iterable
 
 from shared.wire.protocol.base import ProtocolError, invariants
 from shared.wire.protocol.messages import (
+    CLEARED,
+    REMOVED,
+    STORED,
     BlockGet,
     BlockHas,
     BlockPart,
@@ -34,7 +37,7 @@ from shared.wire.protocol.subjects import is_valid_request_id
 
 U64 = 1 << 64
 MAX_PARTS = 1 << 20  # chunks or parts of one transfer: far beyond any prompt, small enough to count through
-KV_EVENT_KINDS = ("stored", "removed", "cleared")
+KV_EVENT_KINDS = (STORED, REMOVED, CLEARED)
 TAG_BYTES = 16  # a block part's tag (shared.wire.block_integrity)
 
 

@@ -277,6 +277,9 @@ class Heartbeat(Message):
     max_num_seqs: int = 0  # prefill and decode: the most sequences a step runs (0: not reported)
 
 
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"  # the kinds of KvEvent
+
+
 @message("kv-event")
 @dataclass(frozen=True)
 class KvEvent(Message):
