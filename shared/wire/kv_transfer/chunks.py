@@ -137,7 +137,7 @@ class KvAssembly:
         self.request_id = request_id
         self.total = total
         self.wire_dtype = ""  # a DTYPE_NAMES key, fixed by the first chunk
-        self.kv_format = ""  # the engines' KV codec for packed chunks (see kv_wire_packed), fixed by the first chunk
+        self.kv_format = ""  # the engines' KV codec for packed chunks (kv_transfer.packed), fixed by the first chunk
         self.num_wire_bytes = 0  # compressed bytes of the accepted (non-duplicate) chunks
         self.num_held_bytes = 0  # decompressed bytes held (size-only chunks hold none)
         self._pieces: dict[int, _Piece] = {}

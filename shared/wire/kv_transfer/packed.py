@@ -2,7 +2,8 @@
 bytes the pool and the cache-store hold) and its partial last block in full precision, in `KvChunk`s.
 
 Owns the packed layer (`PackedLayerKv`), the whole prompt (`PackedPromptKv`), chunking by whole blocks and reassembly
-with exact size checks. Verification, compression and the stall deadline are `kv_wire`'s, shared with raw tensors.
+with exact size checks. Verification, compression and the stall deadline are `chunks`' and `receiver`'s, shared
+with raw tensors.
 """
 
 from __future__ import annotations
