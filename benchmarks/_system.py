@@ -1,5 +1,5 @@
-"""The system under a benchmark (its lifecycle is `loadgen.experiment.system`, re-exported here) and one streamed chat
-request timed by the client. No workload here, and nothing from tests/.
+"""The system under a benchmark (its lifecycle is `shared.tools.experiment.system`, re-exported here) and one
+streamed chat request timed by the client. No workload here, and nothing from tests/.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from loadgen.experiment.system import (  # noqa: F401  (re-exported for the benchmarks)
+from shared.tools.experiment.system import (  # noqa: F401  (re-exported for the benchmarks)
     REPO_ROOT,
     RunningSystem,
     StartError,

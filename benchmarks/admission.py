@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadgen.experiment.system import StartError, SystemSpec, start_system, stop_system
+from shared.tools.experiment.system import StartError, SystemSpec, start_system, stop_system
 
 SLO_TTFT_MS, SLO_TBT_MS = 10_000.0, 500.0  # tsukimi's defaults
 WORKLOADS = {

@@ -25,9 +25,9 @@ from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.fastgen.policies import FastGenSettings
-from shared.kvcompress.text_spans import evaluation_span, read_tokens
 from shared.model.checkpoint import load_checkpoint
-from shared.wire.sampling import SamplingParams
+from shared.tools.eval.text_spans import evaluation_span, read_tokens
+from shared.wire.protocol import SamplingParams
 
 TEXT = "../shared/data/text/lee_background.txt"
 

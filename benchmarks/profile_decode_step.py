@@ -15,7 +15,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.model.checkpoint import load_checkpoint
 from shared.tools.bench.hf_baseline import random_prompts
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 
 def main() -> None:

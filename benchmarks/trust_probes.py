@@ -35,7 +35,7 @@ from shared.wire.protocol import (
     Cancel,
     Heartbeat,
     KvChunk,
-    Sampling,
+    SamplingParams,
     StreamEvent,
     Subjects,
     SubmitReply,
@@ -169,7 +169,7 @@ async def probe_tokens(p: Probe) -> list[str]:
         events.append(msg)
 
     await gateway.serve(S.stream("probe-bad-tokens"), on)
-    submit = SubmitRequest("probe-bad-tokens", [1, 2, 60_000], [], Sampling(max_tokens=4), time.time())
+    submit = SubmitRequest("probe-bad-tokens", [1, 2, 60_000], [], SamplingParams(max_tokens=4), time.time())
     reply = await gateway.request(S.submit, submit, SubmitReply, timeout_s=10)
     await asyncio.sleep(2.0)
     after = p.http("/v1/chat/completions", chat("What is the capital of France?"))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
 from kernels.kvquant_attention_triton import kvquant_decode_attention_triton
+from kernels.kvquant_format import decode_blocks, from_rows
 from kernels.kvquant_layout import KvQuantLayerParams
 
 
@@ -24,10 +25,11 @@ def rotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def decode_packed_blocks(rows: torch.Tensor, params: KvQuantLayerParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows uint8 [B, bytes_per_block] -> K (before RoPE) and V fp32 [B, H, T, D], by the codec's decode."""
-    layout, codec = params.layout, params.codec()
+    """Pool rows uint8 [B, bytes_per_block] -> K (before RoPE) and V fp32 [B, H, T, D], by the format's decode (the
+    codec's own)."""
+    layout = params.layout
     shape = (layout.kv_heads, layout.block_size, layout.head_dim)
-    return codec.decode_blocks(codec.from_rows(rows.contiguous(), None, *shape), *shape)
+    return decode_blocks(params.tables, from_rows(params.tables, rows.contiguous(), None, *shape), *shape)
 
 
 def kvquant_decode_attention_ref(

@@ -2,7 +2,7 @@
 
 Owns `KvQuantLayout` (where each section of a pool row lies) and `KvQuantLayerParams` (calibration, the key grids and
 codebook midpoints derived from it, and RoPE tables on the kernels' device). The byte format itself is
-`shared.kvcompress.kvquant`'s: a pool row is that module's block layout without the sink section, the sink being kept
+`kernels.kvquant_format`'s: a pool row is that module's block layout without the sink section, the sink being kept
 apart by the engine.
 """
 
@@ -13,14 +13,14 @@ from functools import cached_property
 
 import torch
 
-from shared.kvcompress.kvquant import KvQuantCodec, key_grid, section_sizes
+from kernels.kvquant_format import KvQuantTables, key_grid, section_sizes
 
 
 @dataclass(frozen=True)
 class KvQuantLayout:
     """Where each section of one pool row (one layer of one full block, uint8 [bytes_per_block]) starts, in bytes.
 
-    The sections and their sizes are `shared.kvcompress.kvquant.section_sizes`' (the codec's byte layout without the
+    The sections and their sizes are `kernels.kvquant_format.section_sizes`' (the codec's byte layout without the
     sink): K codes, V codes, K low and K high (uint8 [H, D]: each key channel's block range as two points of its
     grid), V centre and V half-range (fp16 [T]), V outlier index (uint16 [H, n]) and corrections (fp16 [H, n]).
     Keys have no outliers. Every fp16/uint16 section starts on an even byte, so `pool.view(torch.float16)` and
@@ -105,7 +105,7 @@ class KvQuantLayerParams:
     """What the kvquant kernels take for one layer, on their device.
 
     key_center, key_scale: fp32 [H, D], the calibration; key_grid_base, key_grid_step: fp32 [H, D], each key
-    channel's grid (point q is base + q * step; `shared.kvcompress.kvquant.key_grid`, the codec's own arithmetic), on
+    channel's grid (point q is base + q * step; `kernels.kvquant_format.key_grid`, the codec's own arithmetic), on
     which a block's K low and K high bytes place its range; key_codebook, value_codebook: fp32 [2**b] ascending, in
     units of a range ([-1, 1]), and their midpoints fp32 [2**b - 1] (a code is the number of midpoints below the
     normalised element); cos, sin: fp32 [max_position, D / 2], the model's RoPE tables (`RotaryEmbedding.cos`/`.sin`).
@@ -151,20 +151,18 @@ class KvQuantLayerParams:
         )
 
     @classmethod
-    def from_codec(
-        cls, codec: KvQuantCodec, block_size: int, cos: torch.Tensor, sin: torch.Tensor
+    def from_tables(
+        cls, tables: KvQuantTables, block_size: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> KvQuantLayerParams:
-        """One layer's params from its `KvQuantCodec`, for pool blocks of `block_size` tokens.
+        """One layer's params from its calibration (`KvQuantCodec.tables`), for pool blocks of `block_size` tokens.
 
         Raises:
-            ValueError: the codec refuses the shape, or cos/sin do not fit its head dim.
+            ValueError: cos/sin do not fit the tables' head dim.
         """
-        heads, dim = codec.key_center.shape
-        layout = KvQuantLayout(codec.bits, block_size, heads, dim, codec.outliers_per_head(block_size, dim))
-        if layout.bytes_per_block != codec.num_bytes(heads, block_size, dim):
-            raise ValueError("the pool row layout disagrees with the codec's block size; update KvQuantLayout")
-        calibration = (codec.key_center, codec.key_scale, codec.key_codebook, codec.value_codebook)
-        return cls.build(layout, codec.outlier_fraction, calibration, cos, sin)
+        heads, dim = tables.key_center.shape
+        layout = KvQuantLayout(tables.bits, block_size, heads, dim, tables.outliers_per_head(block_size, dim))
+        calibration = (tables.key_center, tables.key_scale, tables.key_codebook, tables.value_codebook)
+        return cls.build(layout, tables.outlier_fraction, calibration, cos, sin)
 
     @cached_property
     def key_pair_codebook(self) -> torch.Tensor:
@@ -176,9 +174,10 @@ class KvQuantLayerParams:
         """`pair_codebook(value_codebook)`, built once."""
         return pair_codebook(self.value_codebook)
 
-    def codec(self) -> KvQuantCodec:
-        """The `KvQuantCodec` these params describe (the references' oracle)."""
-        return KvQuantCodec(
-            self.layout.bits, self.key_center, self.key_scale, self.key_codebook, self.value_codebook,
-            self.outlier_fraction,
+    @cached_property
+    def tables(self) -> KvQuantTables:
+        """The calibration these params describe, on their device (what the references compute with)."""
+        return KvQuantTables(
+            self.layout.bits, self.outlier_fraction, self.key_center, self.key_scale, self.key_codebook,
+            self.value_codebook,
         )

@@ -1,10 +1,10 @@
 """Quantize-and-pack on append: full blocks' K (before RoPE) and V into kvquant pool rows; reference and dispatcher.
 
 Owns the choice of value outliers (`select_outliers`, plain torch: a top-k per head, as the codec ranks them; keys
-have none) and `kvquant_pack_ref` (the codec's `encode_blocks`, sections joined into rows). A row has no sink
-section: the engine keeps a sequence's first token (K before RoPE, V) apart in fp16, and `starts_sequence` only keeps
-it out of the value outliers and the key ranges, as the codec does. The fused Triton kernel is
-`kernels.kvquant_pack_triton`; the row layout `kernels.kvquant_layout`.
+have none) and `kvquant_pack_ref` (`kernels.kvquant_format.encode_blocks`, the codec's own, sections joined into
+rows). A row has no sink section: the engine keeps a sequence's first token (K before RoPE, V) apart in fp16, and
+`starts_sequence` only keeps it out of the value outliers and the key ranges, as the codec does. The fused Triton
+kernel is `kernels.kvquant_pack_triton`; the row layout `kernels.kvquant_layout`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import KernelBackend
+from kernels.kvquant_format import encode_blocks, to_rows, value_rank
 from kernels.kvquant_layout import KvQuantLayerParams
 from kernels.kvquant_pack_triton import kvquant_pack_triton
-from shared.kvcompress.kvquant import value_rank
 
 
 def select_outliers(v: torch.Tensor, params: KvQuantLayerParams, *, starts_sequence: bool = False) -> torch.Tensor:
     """Per (block, KV head), the flat indices t * D + d of the n value outliers, ascending.
 
-    The codec's ranking (`shared.kvcompress.kvquant.value_rank`); with `starts_sequence` (every block) token 0, the
+    The codec's ranking (`kernels.kvquant_format.value_rank`); with `starts_sequence` (every block) token 0, the
     sink, is never an outlier.
     Args:
         v: [B, H, T, D].
@@ -42,8 +42,7 @@ def kvquant_pack_ref(
     With `starts_sequence` the rows are the codec's bytes of sequence-starting blocks less the sink section (token 0
     is then never a value outlier and sits in no key range); the kernels read either kind alike.
     """
-    codec = params.codec()
-    rows, _ = codec.to_rows(codec.encode_blocks(k, v, starts_sequence=starts_sequence))
+    rows, _ = to_rows(encode_blocks(params.tables, k, v, starts_sequence=starts_sequence))
     return rows
 
 

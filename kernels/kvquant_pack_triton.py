@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from kernels.backend import jit_into, on_grid
+from kernels.kvquant_format import KEY_GRID_POINTS
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
-from shared.kvcompress.kvquant import KEY_GRID_POINTS
 
 triton: Any = None  # bound by _load_triton, as in kernels.paged_attention_triton
 tl: Any = None
@@ -28,7 +28,7 @@ tl: Any = None
 
 
 def _fp16_round_up(x):
-    # The smallest fp16 >= x, for x >= 0 (`shared.kvcompress.quantize.fp16_round_up`)
+    # The smallest fp16 >= x, for x >= 0 (`kernels.fp16_rounding.fp16_round_up`)
     nearest = x.to(tl.float16)
     above = (nearest.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
     return tl.where(nearest.to(tl.float32) < x, above, nearest)
@@ -68,7 +68,7 @@ def _value_range_kernel(
 def _key_range(row, k_ptr, grid_base_ptr, grid_step_ptr, src_base, head, first_token, k_low_offset, k_high_offset,
                TOP: tl.constexpr, T: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
     # One head's key channels over tokens first_token..T-1: the grid points (0..TOP) at or below their minimum and at
-    # or above their maximum, stored as K low and K high (`shared.kvcompress.kvquant._key_range_points`), and the
+    # or above their maximum, stored as K low and K high (`kernels.kvquant_format._key_range_points`), and the
     # block centre and half-range [D] fp32 they give (`block_key_range`)
     dims = tl.arange(0, D)
     low = tl.full([D], float("inf"), tl.float32)

@@ -113,7 +113,7 @@ def rotated_dot(c, k, s, n, GROUP: tl.constexpr):
 
 def key_range(row_ptr, k_low_offset, k_high_offset, base, step, kv_head, HALF: tl.constexpr, D: tl.constexpr):
     # One half of a head's key channels in the block: centre and half-range [D / 2], fp32, from the row's K low and
-    # K high grid points and the channels' grid base, step [D / 2] (`shared.kvcompress.kvquant.block_key_range`).
+    # K high grid points and the channels' grid base, step [D / 2] (`kernels.kvquant_format.block_key_range`).
     # Worked out on a [D / 2, 2] tile of the two ends and summed over them: the reduction keeps this in a compact
     # layout (a channel or two a thread) and the key tile's layout gets only the result, instead of every thread
     # redoing the arithmetic for each channel it holds

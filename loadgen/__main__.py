@@ -1,4 +1,5 @@
-"""Entry point of `tsukimi-loadgen` and `python -m loadgen` (the command itself is in cli.py)."""
+"""`python -m loadgen`: the load generator (cli.py); `tsukimi-loadgen` is this and the experiment harness
+(`shared.tools.loadgen_command`)."""
 
 from __future__ import annotations
 

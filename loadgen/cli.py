@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import math
 import sys
@@ -37,11 +36,8 @@ _TRACE_ONLY = ("time_scale", "input_scale", "output_scale", "start_s")
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 server unreachable or output not written).
-    Bad arguments exit 2 through argparse. `experiment ...` runs `loadgen.experiment.main`."""
+    Bad arguments exit 2 through argparse (`tsukimi-loadgen experiment ...` is `shared.tools.loadgen_command`'s)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "experiment":
-        experiment = importlib.import_module("loadgen.experiment")  # written apart; imported only when asked
-        return int(experiment.main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

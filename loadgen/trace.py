@@ -15,6 +15,7 @@ from loadgen.prompts import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE, BlockToken
 from loadgen.workload import PlannedRequest
 
 TRACE_BLOCK_LEN = 512  # tokens per hash id in the Mooncake traces
+BUNDLED_TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace_head.jsonl"  # data/README.md
 
 
 class TraceError(ValueError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from shared.engine.engine import LLMEngine, StepStats
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 PROMPT_LENGTHS = (16, 32, 64, 128, 192, 256, 384, 512, 768)  # one prefill step each; the first also warms caches
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)  # a few pure decode steps at each size

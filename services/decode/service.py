@@ -37,9 +37,9 @@ from shared.wire.protocol import (
     KvChunk,
     PrefillTask,
     Role,
+    SamplingParams,
     StreamEvent,
 )
-from shared.wire.sampling import SamplingParams
 
 log = get_logger(__name__)
 
@@ -188,7 +188,7 @@ class DecodeService:
     async def on_prefill_task(self, task: PrefillTask) -> None:
         """Conditional disaggregation: the scheduler judged this prompt cheaper to compute here than to move."""
         try:
-            params = task.sampling.to_params()
+            params = task.sampling
         except ValueError as exc:
             await self._fail(task.request_id, str(exc), ErrorType.INVALID)
             return
@@ -246,7 +246,7 @@ class DecodeService:
                 kv = await asyncio.to_thread(
                     assembly.assemble, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.tensor.dtype
                 )
-            params = _continuation_params(task.sampling.to_params())
+            params = _continuation_params(task.sampling)
         except (KvTransferError, ValueError) as exc:
             await self._fail(request_id, str(exc))
             return

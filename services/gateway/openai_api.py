@@ -3,19 +3,24 @@
 Types are checked strictly (a bool is not an int); unknown fields are ignored, as OpenAI clients send many, but an
 OpenAI field this server cannot honour (tools, response formats, penalties, logprobs, ...) is refused (400) unless it
 asks for nothing. `temperature` and `top_p` are held to OpenAI's ranges; the other sampling ranges are checked by
-`SamplingParams` later (prompt.py). Reading the body is json_body.py's job; tokenization is not done here.
+`SamplingParams`, the one sampling type from here to the engine, whose errors name their field. Reading the body is
+json_body.py's job; tokenization is not done here.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import bad_request
+from shared.wire.protocol import SamplingError, SamplingParams
 
 MAX_STOP_STRINGS = 4
+# Without max_tokens a request generates up to this many tokens (never past the context window): filling the
+# whole window by default would let one forgetful client hold a decode slot for thousands of tokens.
+DEFAULT_MAX_TOKENS = 512
 _INT64 = 1 << 63
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Fields we cannot honour -> the values that ask for nothing we lack (null always does). vLLM's extensions too.
@@ -34,18 +39,13 @@ _COMPLETION_NEUTRAL = {**_NEUTRAL, "logprobs": (), "echo": (False,), "best_of": 
 class GenerationOptions:
     """What both endpoints share: the model, how much to generate, sampling, and streaming.
 
-    `max_tokens` is None when the client gave neither `max_tokens` nor `max_completion_tokens`.
+    `max_tokens` is None when the client gave neither `max_tokens` nor `max_completion_tokens`; `sampling` then
+    holds DEFAULT_MAX_TOKENS, which the prompt's room may lower (prompt.py).
     """
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=DEFAULT_MAX_TOKENS))
     stream: bool = False
     include_usage: bool = False
     # tsukimi extensions: a request may tighten the server's SLOs (it can never loosen them).
@@ -96,16 +96,23 @@ def parse_options(body: dict[str, Any]) -> GenerationOptions:
         max_tokens = _int(body, "max_tokens", 1, _INT64 - 1)
     top_k = _int(body, "top_k", -1, _INT64 - 1)
     stream = _bool(body, "stream") or False
+    try:
+        sampling = SamplingParams(
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            temperature=_number_in(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number_in(body, "top_p", 1.0, 0.0, 1.0, open_below=True),
+            top_k=0 if top_k is None or top_k == -1 else top_k,  # -1 disables top-k, as in vLLM
+            seed=_int(body, "seed", -_INT64, (1 << 64) - 1),
+            stop=_parse_stop(body.get("stop")),
+            ignore_eos=_bool(body, "ignore_eos") or False,
+            min_tokens=_int(body, "min_tokens", 0, _INT64 - 1) or 0,
+        )
+    except SamplingError as exc:
+        raise bad_request(str(exc), exc.field) from None
     return GenerationOptions(
         model=model,
         max_tokens=max_tokens,
-        temperature=_number_in(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number_in(body, "top_p", 1.0, 0.0, 1.0, open_below=True),
-        top_k=0 if top_k is None or top_k == -1 else top_k,  # -1 disables top-k, as in vLLM
-        seed=_int(body, "seed", -_INT64, (1 << 64) - 1),
-        stop=_parse_stop(body.get("stop")),
-        ignore_eos=_bool(body, "ignore_eos") or False,
-        min_tokens=_int(body, "min_tokens", 0, _INT64 - 1) or 0,
+        sampling=sampling,
         stream=stream,
         include_usage=_parse_stream_options(body.get("stream_options"), stream),
         slo_ttft_ms=_positive_or_none(body, "slo_ttft_ms"),
@@ -171,15 +178,15 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
     raise bad_request("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def _parse_stop(stop: Any) -> tuple[str, ...]:
+def _parse_stop(stop: Any) -> list[str]:
     if stop is None:
-        return ()
+        return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-    return tuple(stops)
+    return list(stops)
 
 
 def _parse_stream_options(options: Any, stream: bool) -> bool:

@@ -1,11 +1,11 @@
-"""From a validated request to what the scheduler needs: prompt token ids, their block hashes, wire sampling.
+"""From a validated request to what the scheduler needs: prompt token ids, their block hashes, its sampling.
 
 Owns the chat template call, the context-length check and the default `max_tokens`; not HTTP, not NATS.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jinja2
 
@@ -13,12 +13,7 @@ from services.gateway.errors import bad_request
 from services.gateway.openai_api import ChatRequest, CompletionRequest, GenerationOptions
 from shared.engine.blocks import block_hashes, make_namespace
 from shared.model.tokenizer import Tokenizer
-from shared.wire.protocol import Sampling
-from shared.wire.sampling import SamplingParams
-
-# Without max_tokens a request generates up to this many tokens (never past the context window): filling the
-# whole window by default would let one forgetful client hold a decode slot for thousands of tokens.
-DEFAULT_MAX_TOKENS = 512
+from shared.wire.protocol import SamplingError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ class ModelInfo:
 class PreparedPrompt:
     prompt_ids: list[int]
     block_hashes: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
 
 
 class PromptBuilder:
@@ -93,28 +88,15 @@ class PromptBuilder:
                 f"the prompt has {len(ids)} tokens; the context holds {self.model.context_len} tokens in all",
                 prompt_param, "context_length_exceeded",
             )
-        max_tokens = options.max_tokens
-        if max_tokens is None:
-            max_tokens = min(DEFAULT_MAX_TOKENS, room)
-        elif max_tokens > room:
+        sampling, max_tokens = options.sampling, options.max_tokens
+        if max_tokens is None and sampling.max_tokens > room:
+            try:
+                sampling = replace(sampling, max_tokens=room)
+            except SamplingError as exc:  # min_tokens beyond what the context leaves
+                raise bad_request(str(exc), exc.field) from None
+        elif max_tokens is not None and max_tokens > room:
             raise bad_request(
                 f"{len(ids)} prompt tokens plus max_tokens={max_tokens} exceed the context of "
                 f"{self.model.context_len} tokens", "max_tokens", "context_length_exceeded",
             )
-        sampling = _sampling(options, max_tokens)
         return PreparedPrompt(ids, block_hashes(ids, self.block_size, self.namespace), sampling)
-
-
-def _sampling(options: GenerationOptions, max_tokens: int) -> Sampling:
-    """The wire sampling; `SamplingParams` checks the ranges and its messages start with the field's name."""
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-            seed=options.seed, stop=options.stop, ignore_eos=options.ignore_eos, min_tokens=options.min_tokens,
-        )
-    except ValueError as exc:
-        message = str(exc)
-        field = message.split(" ", 1)[0]
-        fields = {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", "stop"}
-        raise bad_request(message, field if field in fields else None) from None
-    return Sampling.from_params(params)

@@ -41,11 +41,11 @@ from shared.wire.protocol import (
     ErrorType,
     PrefillTask,
     Role,
+    SamplingParams,
     Snapshot,
     SnapshotRequest,
     StreamEvent,
 )
-from shared.wire.sampling import SamplingParams
 
 log = get_logger(__name__)
 
@@ -144,7 +144,7 @@ class PrefillService:
 
     async def handle_task(self, msg: PrefillTask) -> None:
         try:
-            params = msg.sampling.to_params()
+            params = msg.sampling
             self.engine.check_prompt(msg.prompt_ids)  # before any work: its ids hash, load and compute
         except ValueError as exc:
             await self._fail(msg.request_id, ErrorType.INVALID, str(exc))

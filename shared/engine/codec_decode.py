@@ -53,7 +53,7 @@ class FusedDecode:
         self.pool = pool
         device = pool.packed.device
         self.params = [
-            KvQuantLayerParams.from_codec(codec, pool.block_size, rotary.cos.to(device), rotary.sin.to(device))
+            KvQuantLayerParams.from_tables(codec.tables, pool.block_size, rotary.cos.to(device), rotary.sin.to(device))
             for codec in pool.codecs  # type: ignore[arg-type]
         ]
         check_kernel_layout(self.params[0].layout)

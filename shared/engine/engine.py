@@ -25,7 +25,7 @@ from shared.fastgen.token_classes import TokenClasses
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire.log import get_logger
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 __all__ = ["Completion", "EngineFull", "LLMEngine", "PrefilledRequest", "RequestOutput", "StepStats"]
 log = get_logger(__name__)

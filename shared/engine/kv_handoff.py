@@ -19,7 +19,7 @@ from shared.fastgen.wire import PromptProfile
 from shared.model.tokenizer import IncrementalDetokenizer
 from shared.wire.kv_transfer.packed import PackedFormat, PackedLayerKv, PackedPromptKv
 from shared.wire.payload import Payload
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from shared.engine.batching import Scheduler

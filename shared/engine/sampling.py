@@ -1,11 +1,11 @@
 """The batched sampler (greedy, temperature, top-k, top-p, seeded); the parameters it follows are
-`shared.wire.sampling.SamplingParams`."""
+`shared.wire.protocol.SamplingParams`."""
 
 from __future__ import annotations
 
 import torch
 
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from shared.engine.prefix_load import PrefixLoad, PrefixSource

@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
-from shared.fastgen.attention import causal_row_probs
 from shared.fastgen.kept import kept_entries
 from shared.fastgen.lane_store import LaneStore
 from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings
-from shared.fastgen.profile import profile_layer
+from shared.fastgen.profile import causal_row_probs, profile_layer
 from shared.fastgen.sparse_kv import SparseKv, append_lanes, attend_lanes, evict_lanes
 from shared.fastgen.token_classes import TokenClasses
 from shared.fastgen.wire import PromptProfile

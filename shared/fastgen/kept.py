@@ -2,7 +2,8 @@
 StreamingLLM and H2O rules) after every step of a generation.
 
 Owns the definitions of the local window, the heavy hitters and the policy unions, shared by profiling (many query
-rows at once) and decoding (one row per step). Which policy a head gets is `profile`'s; the attention is `attention`'s.
+rows at once) and decoding (one row per step). Which policy a head gets is `profile`'s; the attention is the harness's
+(`shared.tools.eval.fastgen_attention`) or the engine's.
 
 Masks are bool over key positions; `scores` are each key's accumulated attention (summed over the query heads of the
 KV head), higher first. A rule's `keep` runs after a step's attention: from the keys that step saw, it returns those

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.kvcompress.bitpack import packed_num_bytes
-from shared.kvcompress.kvquant import KvQuantCodec, nearest_code, pack_rows, unpack_rows
-from shared.kvcompress.quantize import fp16_round_up
+from kernels.bitpack import packed_num_bytes
+from kernels.fp16_rounding import fp16_round_up
+from kernels.kvquant_format import nearest_code, pack_rows, unpack_rows
+from shared.kvcompress.kvquant import KvQuantCodec
 
 _MAX_HEAD_DIM = 256  # outlier channels are uint8
 

@@ -1,7 +1,7 @@
 """FastGen's profiling: from a layer's prompt attention, the cheapest policy per KV head that recovers enough of it.
 
-Owns the recovered-mass criterion and the choice. What each policy keeps is `kept`'s; computing the attention
-probabilities is `attention`'s.
+Owns the recovered-mass criterion and the choice. What each policy keeps is `kept`'s; the attention probabilities
+are `causal_row_probs`' (the FastGen harness's too).
 
 Recovered mass: for a profiled query row at position i, the share of its full-softmax attention that falls on the keys
 it would see while decoding under the policy: the policy's kept set over the i tokens before it (budgets
@@ -17,12 +17,31 @@ earliest keys).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from shared.fastgen.kept import policy_masks
 from shared.fastgen.policies import FastGenSettings
+
+
+def causal_row_probs(q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Causal attention probabilities of the last W query rows over every key, softmax in float64.
+
+    Args:
+        q_rows: [W, num_heads, head_dim], the queries at positions n - W .. n - 1; k: [n, num_kv_heads, head_dim]
+            (GQA: query head h reads KV head h // (num_heads / num_kv_heads)).
+    Returns:
+        float64 [num_heads, W, n]; zero past each row's position.
+    """
+    num_rows, num_heads, head_dim = q_rows.shape
+    num_tokens = k.shape[0]
+    keys = k.repeat_interleave(num_heads // k.shape[1], dim=1).transpose(0, 1)  # [num_heads, n, head_dim]
+    logits = q_rows.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(head_dim)  # [num_heads, W, n]
+    rows = torch.arange(num_tokens - num_rows, num_tokens, device=k.device)
+    future = torch.arange(num_tokens, device=k.device)[None, :] > rows[:, None]
+    return logits.double().masked_fill(future, -math.inf).softmax(dim=-1)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """What `tsukimi calibrate kv` learns for a KVQuant codec, and its file: one safetensors file with JSON metadata.
 
-Owns the `KvCalibration` record (per layer: the pre-RoPE key channels' centre and half-range, and the non-uniform key
-and value codebooks) and its save/load with validation. How it is computed is `calibrate`; how it is used, `kvquant`.
+Owns the `KvCalibration` record (per layer: the pre-RoPE key channels' centre and half-range, and the non-uniform
+key and value codebooks) and its save/load with validation. How it is computed is `shared.tools.calibrate.kvquant`;
+how it is used, `kvquant`.
 """
 
 from __future__ import annotations

@@ -7,21 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp16_rounding import fp16_round_down, fp16_round_up
+
 _INT8_MAX = 127
-
-
-def fp16_round_up(x: torch.Tensor) -> torch.Tensor:
-    """The smallest fp16 value >= each element of `x` (fp32)."""
-    nearest = x.to(torch.float16)
-    above = torch.nextafter(nearest, torch.full_like(nearest, float("inf")))
-    return torch.where(nearest.float() < x, above, nearest)
-
-
-def fp16_round_down(x: torch.Tensor) -> torch.Tensor:
-    """The largest fp16 value <= each element of `x` (fp32)."""
-    nearest = x.to(torch.float16)
-    below = torch.nextafter(nearest, torch.full_like(nearest, float("-inf")))
-    return torch.where(nearest.float() > x, below, nearest)
 
 
 def _check_finite(*metadata: torch.Tensor) -> None:

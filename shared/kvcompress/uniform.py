@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.kvcompress.bitpack import pack_codes, packed_num_bytes, unpack_codes
+from kernels.bitpack import pack_codes, packed_num_bytes, unpack_codes
 from shared.kvcompress.codec import KvCodec, check_dims, check_kv, split_bytes, to_bytes
 from shared.kvcompress.quantize import (
     dequantize_asymmetric,

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from shared.fastgen.codec_variants import KvServing
-from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.token_classes import TokenClasses
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.kvcompress.text_spans import TextSpanError
 from shared.model.config import LlamaConfig
+from shared.tools.eval.fastgen import WindowSpec, evaluate_fastgen
+from shared.tools.eval.fastgen_codecs import KvServing
+from shared.tools.eval.text_spans import TextSpanError
 from tests.cli.tiny_model import tiny_checkpoint
 
 TINY = LlamaConfig(

@@ -14,11 +14,11 @@ import torch
 
 from shared.kvcompress import bundled
 from shared.kvcompress.calibration import KvCalibrationError
-from shared.kvcompress.evaluate import evaluate_codec
 from shared.kvcompress.registry import get_codec
-from shared.kvcompress.text_spans import TextSpanError
 from shared.model.config import LlamaConfig
 from shared.tools.cli.main import main
+from shared.tools.eval.kv import evaluate_codec
+from shared.tools.eval.text_spans import TextSpanError
 from tests.cli.tiny_model import tiny_checkpoint
 
 TINY = LlamaConfig(

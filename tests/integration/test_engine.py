@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.sequence import FinishReason
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 STORY = (

@@ -12,7 +12,7 @@ from shared.engine.engine import LLMEngine, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.wire.kv_transfer.chunks import KvAssembly
 from shared.wire.kv_transfer.packed import PackedLayerKv, assemble_packed, chunk_packed_layer, num_packed_chunks
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

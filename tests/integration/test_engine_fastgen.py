@@ -14,14 +14,14 @@ import torch
 
 from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
-from shared.fastgen.attention import DecodeAttention, PrefillAttention
-from shared.fastgen.codec_variants import ServedKv
 from shared.fastgen.kept import FastGenRule
 from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.profile import LayerProfile, profile_layer
 from shared.fastgen.token_classes import TokenClasses
 from shared.model.llama import RotaryEmbedding, build_model
-from shared.wire.sampling import SamplingParams
+from shared.tools.eval.fastgen_attention import DecodeAttention, PrefillAttention
+from shared.tools.eval.fastgen_codecs import ServedKv
+from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.engine import LLMEngine
-from shared.fastgen.codec_variants import ServedKv, build_kv_serving
 from shared.fastgen.lane_store import CodedLaneStore
 from shared.fastgen.policies import FastGenSettings
-from shared.wire.sampling import SamplingParams
+from shared.tools.eval.fastgen_codecs import ServedKv, build_kv_serving
+from shared.wire.protocol import SamplingParams
 from tests.integration.test_engine_fastgen import GREEDY, _held_blocks, _prompt, _run, harness_predictions
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 TEXTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "The weather today is", "Dear diary,",

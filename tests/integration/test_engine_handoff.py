@@ -8,7 +8,7 @@ import torch
 
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.model.config import LlamaConfig
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -32,7 +32,7 @@ from shared.wire.protocol import (
     KvEvent,
     Message,
     PrefillTask,
-    Sampling,
+    SamplingParams,
     SnapshotRequest,
     StreamEvent,
     Subjects,
@@ -120,7 +120,9 @@ def _valid(rng: random.Random, subject: str, subjects: Subjects) -> Message:
     """A message a real peer could send on `subject` (a fuzz request's, with small prompts and few tokens)."""
     request_id = f"fuzz-{rng.randint(1, 40)}"
     prompt = [rng.randrange(49_152) for _ in range(rng.randint(1, 80))]
-    sampling = Sampling(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.7]), seed=rng.choice([None, 3]))
+    sampling = SamplingParams(
+        max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.7]), seed=rng.choice([None, 3])
+    )
     sender = subjects.sender_of(subject)
     if sender is not None and ".sched.heartbeat." in subject:
         return Heartbeat(sender[1], sender[0], rng.randint(1, 9), time.time(), rng.randint(0, 3),

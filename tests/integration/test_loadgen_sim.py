@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from loadgen.cli import main as loadgen_main
-from loadgen.experiment import BUNDLED_TRACE
-from loadgen.experiment import main as experiment_main
-from loadgen.experiment.system import RunningSystem, SystemSpec, start_system, stop_system
+from loadgen.trace import BUNDLED_TRACE
+from shared.tools.experiment import main as experiment_main
+from shared.tools.experiment.system import RunningSystem, SystemSpec, start_system, stop_system
 
 NUM_REQUESTS = 6
 OUTPUT_SCALE = 0.05  # trace answers of ~350 tokens become ~18: a few seconds of simulated decoding

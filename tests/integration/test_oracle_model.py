@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.model.llama import DenseCausalAttention
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

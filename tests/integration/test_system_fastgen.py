@@ -12,7 +12,7 @@ import pytest
 from shared.config import ENV_VARS
 from shared.engine.engine import LLMEngine
 from shared.fastgen.policies import FastGenSettings
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 from tests.integration.system_fixture import System, start_system, stop_system
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from shared.engine.sequence import Sequence
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 6, 2, 32
 CONFIG = LlamaConfig(

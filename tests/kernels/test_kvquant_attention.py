@@ -56,6 +56,14 @@ class Batch:
                 self.sink_k, self.sink_v, self.params)
 
 
+def codec_of(params: KvQuantLayerParams) -> KvQuantCodec:
+    """The `KvQuantCodec` of the params' calibration: the byte oracle the kernels' rows are checked against."""
+    return KvQuantCodec(
+        params.layout.bits, params.key_center, params.key_scale, params.key_codebook, params.value_codebook,
+        params.outlier_fraction,
+    )
+
+
 def make_batch(case: Case, dtype: torch.dtype, seed: int = 0) -> Batch:
     """A pool of random packed blocks (spare ones too), shuffled tables, random tails and sinks (unlike token 0)."""
     g = torch.Generator().manual_seed(seed)
@@ -65,7 +73,7 @@ def make_batch(case: Case, dtype: torch.dtype, seed: int = 0) -> Batch:
     codec = KvQuantCodec(case.bits, center, scale, key_cb, value_cb, case.fraction)
     max_blocks = max(packed for packed, _ in case.seqs) + 1
     rope = RotaryEmbedding(dim, max_blocks * tokens, 10000.0).to(DEVICE)
-    params = KvQuantLayerParams.from_codec(codec, tokens, rope.cos, rope.sin)
+    params = KvQuantLayerParams.from_tables(codec.tables, tokens, rope.cos, rope.sin)
     batch, num_blocks = len(case.seqs), len(case.seqs) * max_blocks + 2
     shape = (num_blocks, heads, tokens, dim)
     k = torch.randn(shape, generator=g) * 1.5 + center[:, None, :]
@@ -90,7 +98,7 @@ def dense_oracle(batch: Batch, b: int, scale: float) -> torch.Tensor:
     """float64 softmax(q K^T) V of sequence b, K and V from the codec's byte decode of each row, RoPE by the model."""
     layout = batch.params.layout
     heads, tokens, dim = layout.kv_heads, layout.block_size, layout.head_dim
-    codec, keys, values = batch.params.codec(), [], []
+    codec, keys, values = codec_of(batch.params), [], []
     for i in range(int(batch.num_packed[b])):
         data = bytes(batch.pool[int(batch.tables[b, i])].cpu().numpy())
         k, v = codec.decode(data, heads, tokens, dim, torch.float64)  # [H, T, D]

@@ -20,6 +20,14 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes are too slow for the interpreter")
 
 
+def codec_of(params: KvQuantLayerParams) -> KvQuantCodec:
+    """The `KvQuantCodec` of the params' calibration: the byte oracle the kernels' rows are checked against."""
+    return KvQuantCodec(
+        params.layout.bits, params.key_center, params.key_scale, params.key_codebook, params.value_codebook,
+        params.outlier_fraction,
+    )
+
+
 def make_params(
     bits: int, heads: int, dim: int, block_size: int, fraction: float = 0.01, device: torch.device = DEVICE
 ) -> KvQuantLayerParams:
@@ -29,7 +37,7 @@ def make_params(
     key_cb, value_cb = (torch.sort(torch.rand(1 << bits, generator=g) * 2.2 - 1.1).values for _ in range(2))
     codec = KvQuantCodec(bits, center, scale, key_cb, value_cb, fraction)
     tables = torch.randn(2, 4 * block_size, dim // 2, generator=g).to(device)
-    return KvQuantLayerParams.from_codec(codec, block_size, tables[0], tables[1])
+    return KvQuantLayerParams.from_tables(codec.tables, block_size, tables[0], tables[1])
 
 
 def random_blocks(
@@ -53,7 +61,7 @@ def test_a_pool_row_is_the_codecs_bytes_of_a_block(bits: int, heads: int, block_
     params = make_params(bits, heads, dim, block_size, device=torch.device("cpu"))
     k, v = (t.cpu() for t in random_blocks(3, params.layout))
     rows = kvquant_pack_ref(k, v, params)
-    codec = params.codec()
+    codec = codec_of(params)
     assert rows.shape == (3, codec.num_bytes(heads, block_size, dim))
     for b in range(3):
         assert bytes(rows[b].numpy()) == codec.encode(k[b], v[b])
@@ -67,7 +75,7 @@ def test_a_first_blocks_row_and_its_sink_are_the_codecs_bytes_of_a_sequence_star
     k[:, :, 0] *= 8.0  # token 0 far out: a block that did not start a sequence would widen its key ranges
     row = kvquant_pack_ref(k, v, params, starts_sequence=True)[0]
     sink = torch.stack([k[0, :, 0], v[0, :, 0]]).half()  # K [H, D] then V [H, D]
-    expected = params.codec().encode(k[0], v[0], starts_sequence=True)
+    expected = codec_of(params).encode(k[0], v[0], starts_sequence=True)
     assert bytes(row.numpy()) + bytes(sink.view(torch.uint8).numpy()) == expected
     assert bytes(row.numpy()) != bytes(kvquant_pack_ref(k, v, params)[0].numpy())
 
@@ -78,7 +86,7 @@ def test_select_outliers_picks_the_codecs_value_outliers(bits: int, starts_seque
     k, v = random_blocks(4, params.layout)
     v[:, 1, 0, 5] = 40.0  # token 0's value far out: an outlier unless token 0 is the sink
     v_index = select_outliers(v, params, starts_sequence=starts_sequence)
-    packed = params.codec().encode_blocks(k.cpu(), v.cpu(), starts_sequence=starts_sequence)
+    packed = codec_of(params).encode_blocks(k.cpu(), v.cpu(), starts_sequence=starts_sequence)
     assert v_index.shape == (4, 3, params.layout.num_outliers) and params.layout.num_outliers > 0
     assert torch.equal(v_index.cpu(), packed.v_outlier_index)
     assert bool((v_index[:, 1] == 5).any(dim=1).all()) is not starts_sequence
@@ -159,7 +167,7 @@ def test_pack_triton_rounds_ties_to_the_lower_entry_as_the_codec_does() -> None:
     scale = torch.full((heads, dim), 255 / 128)  # key_grid: base = centre - 2 * scale = 0, step = 2**-5
     codec = KvQuantCodec(bits, 2 * scale, scale, codebook, codebook.clone(), 0.01)
     tables = torch.zeros(2, tokens, dim // 2, device=DEVICE)
-    params = KvQuantLayerParams.from_codec(codec, tokens, tables[0], tables[1])
+    params = KvQuantLayerParams.from_tables(codec.tables, tokens, tables[0], tables[1])
     step, center, half = 2.0**-5, 116 * 2.0**-5, 16 * 2.0**-5
     midpoints = (codebook[1:] + codebook[:-1]) / 2
     k = center + midpoints[torch.arange(tokens * dim) % 7].view(1, heads, tokens, dim) * half

@@ -27,7 +27,7 @@ from shared.wire.protocol import (
     Heartbeat,
     KvChunk,
     PrefillTask,
-    Sampling,
+    SamplingParams,
     StreamEvent,
     Subjects,
     decode,
@@ -85,7 +85,7 @@ class Client:
             await self.bus.publish(self.bus.subjects.decode_kv("d0"), message)
         parts = len(profile) if num_profile_parts is None else num_profile_parts
         task = DecodeTask(request_id, list(range(100, 100 + NUM_PROMPT)), 7, 0,
-                          Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), len(chunks), 0, "p0",
+                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), len(chunks), 0, "p0",
                           parts)
         await self.bus.publish(self.bus.subjects.decode_run("d0"), task)
 
@@ -177,7 +177,7 @@ async def test_a_prompt_sent_to_decode_is_prefilled_there(service: DecodeService
 
     await client.bus.client.subscribe(client.bus.subjects.heartbeat_all, cb=on_beat)
     await client.listen("here")
-    task = PrefillTask("here", prompt, [], Sampling(max_tokens=3, temperature=0.0, ignore_eos=True), "d0", 0.0)
+    task = PrefillTask("here", prompt, [], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "d0", 0.0)
     await client.bus.publish(client.bus.subjects.decode_run("d0"), task)
     events = await client.wait_done("here")
     assert [e.index for e in events] == [0, 1, 2] and events[-1].finish_reason == "length"
@@ -216,7 +216,7 @@ async def test_a_decode_task_with_no_kv_and_no_announcement_fails_at_once(
     service: DecodeService, client: Client
 ) -> None:
     await client.listen("ghost")
-    ghost = DecodeTask("ghost", [1, 2, 3], 7, 0, Sampling(max_tokens=2), 5, 0, "p0")
+    ghost = DecodeTask("ghost", [1, 2, 3], 7, 0, SamplingParams(max_tokens=2), 5, 0, "p0")
     await client.bus.publish(client.bus.subjects.decode_run("d0"), ghost)
     events = await client.wait_done("ghost")
     # at once, not after the KV deadline (whose error says "no KV chunk arrived")

@@ -57,7 +57,7 @@ def test_chat_parsing_maps_roles_and_joins_text_parts() -> None:
         {"role": "system", "content": "rules"}, {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
     ]
-    assert chat.options.top_k == 0 and chat.options.stop == ("END",) and chat.options.max_tokens == 9
+    assert chat.options.sampling.top_k == 0 and chat.options.sampling.stop == ["END"] and chat.options.max_tokens == 9
     assert parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                "max_tokens": 5, "max_completion_tokens": 7}).options.max_tokens == 7
 

@@ -24,6 +24,7 @@ from loadgen.metrics import Slo
 from loadgen.record import RequestRecord
 from loadgen.runner import RunOptions, run
 from loadgen.workload import PlannedRequest
+from shared.tools.loadgen_command import main as loadgen_command
 
 MODEL = "fake-model"
 
@@ -344,8 +345,8 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], message: str, caps
 
 def test_experiment_is_dispatched_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[list[str]] = []
-    module = types.ModuleType("loadgen.experiment")
+    module = types.ModuleType("shared.tools.experiment")
     module.main = lambda argv: calls.append(argv) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "loadgen.experiment", module)
-    assert main(["experiment", "--rates", "1,2"]) == 0
+    monkeypatch.setitem(sys.modules, "shared.tools.experiment", module)
+    assert loadgen_command(["experiment", "--rates", "1,2"]) == 0
     assert calls == [["--rates", "1,2"]]

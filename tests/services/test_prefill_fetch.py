@@ -35,7 +35,7 @@ from shared.wire.protocol import (
     KvEvent,
     Message,
     PrefillTask,
-    Sampling,
+    SamplingParams,
     Snapshot,
     SnapshotRequest,
     StreamEvent,
@@ -131,7 +131,7 @@ class World:
         return service
 
     async def submit(self, instance_id: str, request_id: str, name: str, fetch: bool = True) -> None:
-        task = PrefillTask(request_id, self.prompts[name], [], Sampling(max_tokens=4, temperature=0.0), "d0",
+        task = PrefillTask(request_id, self.prompts[name], [], SamplingParams(max_tokens=4, temperature=0.0), "d0",
                            time.time(), fetch)
         await self.bus.publish(self.bus.subjects.prefill_run(instance_id), task)
 

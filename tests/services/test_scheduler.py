@@ -18,7 +18,7 @@ from shared.wire.protocol import (
     KvEvent,
     PrefillTask,
     Role,
-    Sampling,
+    SamplingParams,
     StreamEvent,
     SubmitRequest,
 )
@@ -50,7 +50,7 @@ def _beat(instance: str, role: Role, queued: int = 0, running: int = 0, ids: lis
 
 def _submit(request_id: str, num_tokens: int = 100, max_tokens: int = 16, hashes: list[int] | None = None,
             ttft_slo_s: float | None = None) -> SubmitRequest:
-    return SubmitRequest(request_id, list(range(num_tokens)), hashes or [], Sampling(max_tokens=max_tokens),
+    return SubmitRequest(request_id, list(range(num_tokens)), hashes or [], SamplingParams(max_tokens=max_tokens),
                          time.time(), ttft_slo_s=ttft_slo_s)
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shared.kvcompress.agreement import Agreement, perplexity
+from shared.tools.eval.agreement import Agreement, perplexity
 
 
 def test_a_variant_equal_to_its_reference_agrees_fully() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.engine.batching import Scheduler
 from shared.engine.blocks import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -16,7 +16,7 @@ from shared.kvcompress import get_codec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -15,7 +15,7 @@ from services.scheduler.service import SchedulerService
 from shared.config import ConfigError, load_settings
 from shared.tools.cli.main import main
 from shared.tools.topology import SERVICES_BY_NAME, Topology, TopologyError
-from shared.wire.protocol import Heartbeat, Message, PrefillTask, Role, Sampling, Subjects, SubmitRequest
+from shared.wire.protocol import Heartbeat, Message, PrefillTask, Role, SamplingParams, Subjects, SubmitRequest
 
 NOW = 1_000_000.0
 
@@ -32,7 +32,7 @@ def view(*decodes: Heartbeat, tracked: dict[str, Tracked] | None = None) -> Clus
 
 
 def submit(request_id: str, num_tokens: int = 100) -> SubmitRequest:
-    return SubmitRequest(request_id, list(range(num_tokens)), [], Sampling(max_tokens=8), NOW)
+    return SubmitRequest(request_id, list(range(num_tokens)), [], SamplingParams(max_tokens=8), NOW)
 
 
 def placed_on(instance_id: str, request_id: str) -> Tracked:
@@ -102,7 +102,7 @@ async def test_a_colocated_scheduler_needs_only_decode_instances() -> None:
     assert not reply.accepted and reply.reason_code == "no_decode"  # not no_prefill: there is no prefill pool
     for b in (beat("d0", running=1), beat("d1")):
         await scheduler.handle_heartbeat(b)
-    reply = await scheduler.handle_submit(SubmitRequest("r1", list(range(50)), [], Sampling(), time.time()))
+    reply = await scheduler.handle_submit(SubmitRequest("r1", list(range(50)), [], SamplingParams(), time.time()))
     assert reply.accepted and reply.prefill_id == reply.decode_id == "d1"
     (subject, task), = bus.published
     assert subject == bus.subjects.decode_run("d1")

@@ -11,11 +11,11 @@ import torch
 
 from shared.kvcompress import get_codec
 from shared.kvcompress.codec import KvCodec
-from shared.kvcompress.eval_attention import DenseCodecAttention, block_visibility
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.uniform import Fp16Codec
 from shared.model.config import LlamaConfig
 from shared.model.llama import AttentionContext, DenseCausalAttention, Llama, RotaryEmbedding, apply_rotary
+from shared.tools.eval.codec_attention import DenseCodecAttention, block_visibility
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
 ROTARY = RotaryEmbedding(HEAD_DIM, 1024, 10000.0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.experiment.capacity import Capacity, capacity, capacity_ratio
-from loadgen.experiment.mooncake import ExperimentConfig, offered_rate, plan_runs
 from loadgen.workload import PlannedRequest
+from shared.tools.experiment.capacity import Capacity, capacity, capacity_ratio
+from shared.tools.experiment.mooncake import ExperimentConfig, offered_rate, plan_runs
 
 
 def test_capacity_interpolates_where_the_share_falls_to_the_threshold() -> None:
@@ -59,8 +59,8 @@ def test_the_offered_rate_is_the_count_over_the_span_of_arrivals() -> None:
 def test_the_sweep_uses_only_each_systems_own_policy(tmp_path: object) -> None:
     """tsukimi's sweep is the Conductor's runs, the baseline's its routing's; a policy run of tsukimi at the same
     load (least_loaded, say, which is also the baseline's routing) stays out of tsukimi's sweep."""
-    from loadgen.experiment.mooncake import RunOutcome
-    from loadgen.experiment.results import compute
+    from shared.tools.experiment.mooncake import RunOutcome
+    from shared.tools.experiment.results import compute
 
     config = ExperimentConfig(trace=tmp_path, log_dir=tmp_path, time_scales=(2.0,), policy_time_scale=2.0,  # type: ignore[arg-type]
                               policies=("least_loaded", "conductor"))

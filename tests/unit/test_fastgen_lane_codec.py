@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.fastgen.codec_variants import KvServing, ServedKv, build_kv_serving
+from kernels.bitpack import packed_num_bytes
 from shared.fastgen.lane_codec import LaneCodec
-from shared.kvcompress.bitpack import packed_num_bytes
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.kvcompress.text_spans import read_tokens
 from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.tools.eval.fastgen_codecs import KvServing, ServedKv, build_kv_serving
+from shared.tools.eval.text_spans import read_tokens
 
 # SmolLM2-135M's shape, which the shipped calibrations are for.
 SMOLLM2 = LlamaConfig(

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.fastgen.attention import DecodeAttention, PrefillAttention
 from shared.fastgen.kept import (
     FastGenRule,
     HeavyHitterRule,
@@ -26,6 +25,7 @@ from shared.fastgen.kept import (
 )
 from shared.fastgen.policies import FastGenSettings, Rung, parse_shares
 from shared.fastgen.token_classes import TokenClasses, is_punctuation
+from shared.tools.eval.fastgen_attention import DecodeAttention, PrefillAttention
 
 PAPER = FastGenSettings(wider_local=(), frequent_alone=True)  # the FastGen paper's ladder
 SPECIAL_ONLY, WITH_PUNCT, FREQUENT, LOCAL, FULL = range(5)  # its policy ids

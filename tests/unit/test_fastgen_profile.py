@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from shared.fastgen.attention import PrefillAttention, causal_row_probs
 from shared.fastgen.policies import FastGenSettings
-from shared.fastgen.profile import choose_policies, policy_counts, profile_layer
+from shared.fastgen.profile import causal_row_probs, choose_policies, policy_counts, profile_layer
 from shared.model.llama import DenseCausalAttention
+from shared.tools.eval.fastgen_attention import PrefillAttention
 
 N = 40
 NO_CLASS = torch.zeros(N, dtype=torch.bool)

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from shared.kvcompress import KvCalibration, KvCalibrationError, load_calibration
-from shared.kvcompress.calibrate import CalibrationSettings, calibrate, key_ranges, pick_windows
-from shared.kvcompress.kmeans import weighted_error, weighted_kmeans_1d
+from shared.tools.calibrate.kmeans import weighted_error, weighted_kmeans_1d
+from shared.tools.calibrate.kvquant import CalibrationSettings, calibrate, key_ranges, pick_windows
 
 
 def test_kmeans_finds_separated_clusters() -> None:
@@ -103,9 +103,9 @@ def test_calibration_file_round_trip_and_errors(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_calibration_on_the_model_is_deterministic_and_beats_a_uniform_codebook(checkpoint) -> None:
-    from shared.kvcompress.calibrate import collect_activations
     from shared.kvcompress.kvquant import KvQuantCodec
     from shared.model.llama import build_model
+    from shared.tools.calibrate.kvquant import collect_activations
 
     tokens = checkpoint.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40)[:256]
     settings = CalibrationSettings(bits=2, num_tokens=128, window=128, block_size=64, seed=3)

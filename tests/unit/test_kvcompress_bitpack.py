@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kvcompress.bitpack import SUPPORTED_BITS, pack_codes, packed_num_bytes, unpack_codes
+from kernels.bitpack import SUPPORTED_BITS, pack_codes, packed_num_bytes, unpack_codes
 
 
 def random_codes(num_codes: int, bits: int, seed: int = 0) -> torch.Tensor:

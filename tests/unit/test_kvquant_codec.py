@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.kvquant_format import key_grid
 from shared.kvcompress import KvCalibration, KvCalibrationError, KvCodecError, get_codec, layer_codecs
-from shared.kvcompress.kvquant import KvQuantCodec, key_grid
+from shared.kvcompress.kvquant import KvQuantCodec
 
 SHAPES = [(1, 1, 8), (2, 5, 32), (3, 64, 64), (3, 17, 40)]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from loadgen.prompts import BlockTokens
-from loadgen.trace import TraceError, TraceOptions, load_trace, read_trace
+from loadgen.trace import BUNDLED_TRACE, TraceError, TraceOptions, load_trace, read_trace
 
-REAL_TRACE = Path(__file__).resolve().parents[2] / "loadgen" / "data" / "conversation_trace_head.jsonl"  # bundled
+REAL_TRACE = BUNDLED_TRACE  # the first 1,000 lines of the real Mooncake trace (loadgen/data/README.md)
 
 LINES = [
     {"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [0, 1, 2]},

@@ -21,7 +21,8 @@ from shared.wire.protocol import (
     Message,
     PrefillTask,
     ProtocolError,
-    Sampling,
+    SamplingError,
+    SamplingParams,
     Subjects,
     SubmitRequest,
     decode,
@@ -29,7 +30,6 @@ from shared.wire.protocol import (
     is_valid_request_id,
     message_types,
 )
-from shared.wire.sampling import SamplingParams
 
 _SAMPLE_VALUES = {int: 7, float: 0.5, str: "x-1", bool: True, bytes: b"\x00\xffkv"}
 # Fields whose sample must also satisfy the messages' invariants (parts within totals, known kinds and roles, ...).
@@ -75,11 +75,15 @@ def test_the_registry_holds_the_messages_services_need() -> None:
             "cancel", "block-put", "block-get", "block-part", "block-has"} <= kinds
 
 
-def test_sampling_converts_both_ways_and_validates() -> None:
-    params = SamplingParams(max_tokens=5, temperature=0.0, stop=("\n",), seed=3)
-    assert Sampling.from_params(params).to_params() == params
-    with pytest.raises(ValueError):
-        Sampling(max_tokens=0).to_params()
+def test_sampling_travels_as_it_is_and_names_a_bad_field() -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=3)
+    assert decode(encode(params)) == params
+    with pytest.raises(SamplingError) as excinfo:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert excinfo.value.field == "min_tokens"
+    bad = msgpack.packb(["sampling", 1, {"max_tokens": 0}])
+    with pytest.raises(ProtocolError, match="sampling: max_tokens must be at least 1"):
+        decode(bad)
 
 
 def test_bad_bytes_are_protocol_errors() -> None:
@@ -92,7 +96,7 @@ def test_bad_bytes_are_protocol_errors() -> None:
     with pytest.raises(ProtocolError, match="unknown field"):
         decode(msgpack.packb(["cancel", 1, {"request_id": "r", "bogus": 1}]))
     with pytest.raises(ProtocolError, match="expected submit"):
-        decode(encode(_example(Sampling)), expected=SubmitRequest)
+        decode(encode(_example(SamplingParams)), expected=SubmitRequest)
 
 
 def test_subjects_share_one_prefix() -> None:

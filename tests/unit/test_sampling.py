@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.engine.sampling import Sampler, _filter_top_k_top_p
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 
 @pytest.mark.parametrize(

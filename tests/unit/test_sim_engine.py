@@ -28,8 +28,7 @@ from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import GpuSpec, SimProfile, get_profile
 from shared.wire.kv_transfer.chunks import KvAssembly, chunk_layer_kv, num_kv_chunks
 from shared.wire.payload import SizeOnly
-from shared.wire.protocol import KvChunk, decode, encode
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import KvChunk, SamplingParams, decode, encode
 
 PROFILE = get_profile("llama3-70b-8xa800")
 CFG = PROFILE.model  # 80 layers, 8 kv heads, head dim 128

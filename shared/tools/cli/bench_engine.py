@@ -26,7 +26,7 @@ from shared.tools.bench.roofline import (
     weight_streaming_bound_s,
 )
 from shared.tools.cli.common import CliError, add_engine_args, engine_config_from_args, positive_int
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 
 @dataclass(frozen=True)

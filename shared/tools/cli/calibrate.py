@@ -7,11 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from shared.kvcompress.calibrate import CalibrationSettings, calibrate
 from shared.kvcompress.kvquant import KVQUANT_BITS
-from shared.kvcompress.text_spans import CALIBRATION_FRACTION, TextSpanError, calibration_span, read_tokens
 from shared.model.checkpoint import load_checkpoint
+from shared.tools.calibrate.kvquant import CalibrationSettings, calibrate
 from shared.tools.cli.common import CliError, positive_int
+from shared.tools.eval.text_spans import CALIBRATION_FRACTION, TextSpanError, calibration_span, read_tokens
 
 DESCRIPTION = f"""\
 Compute what a kvquant-B codec needs for one model: per layer, the centre and half-range of every pre-RoPE key

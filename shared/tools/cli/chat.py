@@ -8,7 +8,7 @@ import sys
 from shared.engine.engine import LLMEngine
 from shared.tools.cli.common import add_engine_args
 from shared.tools.cli.generate import add_sampling_args, load_engine, sampling_params_from_args
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) quits."
 

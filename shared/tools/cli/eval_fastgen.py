@@ -2,7 +2,7 @@
 StreamingLLM and H2O at the same memory, and optionally both the full cache and FastGen over a KV codec.
 
 Owns the `fastgen` subcommand of `eval` (the `eval` command itself is `eval_kv`'s): arguments and output. The
-measurement is `shared.fastgen.evaluate`'s.
+measurement is `shared.tools.eval.fastgen`'s.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from shared.fastgen.codec_variants import DEFAULT_BLOCK_SIZE, LANE_CODECS, build_kv_serving
-from shared.fastgen.evaluate import WindowSpec, evaluate_fastgen
 from shared.fastgen.policies import PAPER_WIDER_LOCAL, TSUKIMI_WIDER_LOCAL, FastGenSettings, parse_shares
-from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
 from shared.model.checkpoint import load_checkpoint
 from shared.tools.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
+from shared.tools.eval.fastgen import WindowSpec, evaluate_fastgen
+from shared.tools.eval.fastgen_codecs import DEFAULT_BLOCK_SIZE, LANE_CODECS, build_kv_serving
+from shared.tools.eval.text_spans import CALIBRATION_FRACTION, read_tokens
 
 
 def register(kinds: argparse._SubParsersAction) -> None:

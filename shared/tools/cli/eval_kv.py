@@ -1,7 +1,7 @@
 """`tsukimi eval kv`: a KV codec's quality against fp16 KV on a text (perplexity, KL, top-1 agreement, compression).
 
 Owns the `eval` command and its `kv` subcommand: arguments and output. Which calibration file a codec uses is
-`shared.kvcompress.bundled`'s (as for the engine), the measurement `shared.kvcompress.evaluate`'s.
+`shared.kvcompress.bundled`'s (as for the engine), the measurement `shared.tools.eval.kv`'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 
 from shared.kvcompress.bundled import resolve_calibration
 from shared.kvcompress.calibration import KvCalibrationError, load_calibration
-from shared.kvcompress.evaluate import evaluate_codec
 from shared.kvcompress.names import CODEC_NAMES, needs_calibration
-from shared.kvcompress.text_spans import CALIBRATION_FRACTION, read_tokens
 from shared.model.checkpoint import load_checkpoint
 from shared.tools.cli.common import CliError, add_eval_args, emit_eval_result, log, positive_int
+from shared.tools.eval.kv import evaluate_codec
+from shared.tools.eval.text_spans import CALIBRATION_FRACTION, read_tokens
 
 
 def register(kinds: argparse._SubParsersAction) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shared.engine.engine import LLMEngine
 from shared.tools.cli.common import CliError, add_engine_args, engine_config_from_args, positive_int
-from shared.wire.sampling import SamplingParams
+from shared.wire.protocol import SamplingParams
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -29,7 +29,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, stop=tuple(args.stop),
+            seed=args.seed, stop=list(args.stop),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -111,7 +111,7 @@ def _from_wire(cls: type[Message], fields: Any) -> Message:
     kwargs = {name: _checked(cls, name, value, hints[name]) for name, value in fields.items()}
     try:
         msg = cls(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # a missing field, or a value its class refuses on construction
         raise ProtocolError(f"{cls.KIND}: {exc}") from None
     check = _CHECKS.get(cls.KIND)
     if check is not None:

@@ -26,7 +26,6 @@ from shared.wire.protocol.messages import (
     KvEvent,
     PrefillTask,
     Role,
-    Sampling,
     Snapshot,
     SnapshotRequest,
     StreamEvent,
@@ -77,14 +76,6 @@ def _finite(kind: str, **values: float | None) -> None:
 
 def _part(kind: str, seq: int, total: int) -> None:
     _require(0 <= seq < total <= MAX_PARTS, kind, f"part {seq} of {total} (at most {MAX_PARTS} parts)")
-
-
-@invariants(Sampling)
-def _sampling(msg: Sampling) -> None:
-    try:
-        msg.to_params()
-    except ValueError as exc:
-        raise ProtocolError(f"sampling: {exc}") from None
 
 
 @invariants(SubmitRequest)

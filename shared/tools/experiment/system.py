@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # One torch thread per engine (several engines share the cores) and fast heartbeats; the caller's TSUKIMI_* win.
 DEFAULT_ENV = {"TSUKIMI_CACHE_DRAM_MB": "256", "TSUKIMI_NUM_THREADS": "1", "TSUKIMI_HEARTBEAT_S": "0.3"}
 STOP_WAIT_S = 20.0  # `tsukimi up` stops everything within 10 s of SIGINT

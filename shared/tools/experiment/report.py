@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadgen.experiment.capacity import THRESHOLD
-from loadgen.experiment.mooncake import BASELINE, TSUKIMI, RunOutcome
-from loadgen.experiment.results import PAPER_AVG_TTFT_S, PAPER_CAPACITY_RATIO, Results
 from loadgen.metrics import Slo, Summary
+from shared.tools.experiment.capacity import THRESHOLD
+from shared.tools.experiment.mooncake import BASELINE, TSUKIMI, RunOutcome
+from shared.tools.experiment.results import PAPER_AVG_TTFT_S, PAPER_CAPACITY_RATIO, Results
 
 
 def write_report(results: Results, folder: Path, command: str, took_s: float) -> Path:

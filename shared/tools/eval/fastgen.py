@@ -1,9 +1,10 @@
 """What `tsukimi eval fastgen` measures: teacher-forced continuations with the full KV cache and with FastGen in the
 same run (perplexity, KL, top-1 agreement, the share of KV kept, the policies chosen), and StreamingLLM and H2O at
 FastGen's memory, on windows of a text's evaluation span; with a kvquant codec, the full cache and FastGen once more
-with their K/V as the engine serves them over it (`codec_variants`).
+with their K/V as the engine serves them over it (`fastgen_codecs`).
 
-Owns the windows' schedule and the figures; the attention is `attention`'s, the policies `profile`'s and `kept`'s.
+Owns the windows' schedule and the figures; the attention is `fastgen_attention`'s, the policies
+`shared.fastgen.profile`'s and `shared.fastgen.kept`'s.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from typing import Any
 
 import torch
 
-from shared.fastgen.attention import DecodeAttention, PrefillAttention
-from shared.fastgen.codec_variants import KvServing, ServedKv
 from shared.fastgen.kept import FastGenRule, HeavyHitterRule, KeepAll, KeptRule, SinkWindowRule
 from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.profile import LayerProfile, policy_counts, profile_layer
 from shared.fastgen.token_classes import TokenClasses
-from shared.kvcompress.agreement import Agreement
-from shared.kvcompress.text_spans import evaluation_span, windows
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_model
+from shared.tools.eval.agreement import Agreement
+from shared.tools.eval.fastgen_attention import DecodeAttention, PrefillAttention
+from shared.tools.eval.fastgen_codecs import KvServing, ServedKv
+from shared.tools.eval.text_spans import evaluation_span, windows
 
 BASELINES: dict[str, Callable[[float], KeptRule]] = {"streaming_llm": SinkWindowRule, "h2o": HeavyHitterRule}
 
@@ -83,7 +84,7 @@ def evaluate_fastgen(
     by side, then with StreamingLLM and H2O, each holding per layer FastGen's kept fraction of that window and layer
     (averaged over its steps), the same for every head. With `codec`, the first decode also runs the full cache as
     the engine's kvquant blocks and FastGen as its lanes of kvquant records beside a ring of the newest W tokens
-    (`codec_variants.ServedKv`).
+    (`fastgen_codecs.ServedKv`).
 
     Args:
         checkpoint: the model.

@@ -2,7 +2,8 @@
 
 Owns the block visibility rule and `DenseCodecAttention`: a query sees every full block before its own encoded and
 decoded by the layer's codec, and its own block (the engine's last, partial one: KIVI's full-precision window)
-exactly. The codecs are `registry`'s, the figures `evaluate`'s; the engine's paged version is `shared.engine`'s.
+exactly. The codecs are `shared.kvcompress.registry`'s, the figures `kv`'s; the engine's paged version is
+`shared.engine`'s.
 """
 
 from __future__ import annotations

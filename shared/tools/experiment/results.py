@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadgen.experiment.capacity import Capacity, Ratio, capacity, capacity_ratio
-from loadgen.experiment.mooncake import BASELINE, TSUKIMI, ExperimentConfig, RunOutcome
 from loadgen.metrics import Summary, ttft_s
+from shared.tools.experiment.capacity import Capacity, Ratio, capacity, capacity_ratio
+from shared.tools.experiment.mooncake import BASELINE, TSUKIMI, ExperimentConfig, RunOutcome
 
 # Mooncake (FAST'25), conversation trace, 16 nodes of 8xA800, LLaMA-3-70B-sized dummy model: effective request capacity
 # over the best vLLM configuration at TTFT 30 s and TBT 100/200/300 ms (+498%, +157%, +59%), and the average TTFT of

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.kvquant_format import normalize_blocks, top_mask
 from shared.kvcompress.calibration import KvCalibration
-from shared.kvcompress.kmeans import weighted_kmeans_1d
-from shared.kvcompress.kvquant import KVQUANT_BITS, normalize_blocks, top_mask
+from shared.kvcompress.names import KVQUANT_BITS
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, apply_rotary, build_model
+from shared.tools.calibrate.kmeans import weighted_kmeans_1d
 
 DEFAULT_OUTLIER_FRACTION = 0.01
 MAX_KMEANS_SAMPLES = 1 << 20  # per layer and K/V: plenty for 4 to 16 centroids, and k-means stays seconds

@@ -5,7 +5,8 @@ tokens in full blocks are coded twice), with the newest W positions whole beside
 block codec's: whole, in fp16.
 
 Owns building the codecs from a name and calibration, and rewriting a variant's stored K/V step by step
-(`ServedKv`); which variants are coded is `evaluate`'s, the attention `attention`'s, the record format `lane_codec`'s.
+(`ServedKv`); which variants are coded is `fastgen`'s, the attention `fastgen_attention`'s, the record format
+`shared.fastgen.lane_codec`'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What `tsukimi eval kv` measures: a KV codec's perplexity, KL divergence and top-1 agreement against fp16 KV in the
 same run, on windows of the evaluation span (never the calibration span), and its compression against fp16.
 
-Owns the metrics; how attention sees the codec is `eval_attention`, the calibration/evaluation split `text_spans`,
+Owns the metrics; how attention sees the codec is `codec_attention`, the calibration/evaluation split `text_spans`,
 the command line (and which calibration file) `shared/tools/cli/eval_kv`.
 """
 
@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from shared.kvcompress.agreement import Agreement
 from shared.kvcompress.calibration import KvCalibration
 from shared.kvcompress.codec import KvCodec
-from shared.kvcompress.eval_attention import DenseCodecAttention
 from shared.kvcompress.registry import layer_codecs
-from shared.kvcompress.text_spans import evaluation_span, windows
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_model
+from shared.tools.eval.agreement import Agreement
+from shared.tools.eval.codec_attention import DenseCodecAttention
+from shared.tools.eval.text_spans import evaluation_span, windows
 
 BASELINE_CODEC = "fp16"
 

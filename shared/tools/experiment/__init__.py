@@ -14,13 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadgen.experiment.mooncake import POLICIES, ExperimentConfig, ExperimentError, plan_runs, run_experiment
-from loadgen.experiment.report import write_report
-from loadgen.experiment.results import compute, to_json
-from loadgen.trace import TraceError
+from loadgen.trace import BUNDLED_TRACE, TraceError
 from shared.sim.profiles import PROFILES
+from shared.tools.experiment.mooncake import POLICIES, ExperimentConfig, ExperimentError, plan_runs, run_experiment
+from shared.tools.experiment.report import write_report
+from shared.tools.experiment.results import compute, to_json
 
-BUNDLED_TRACE = Path(__file__).resolve().parents[1] / "data" / "conversation_trace_head.jsonl"
 FULL = {"num_requests": 70, "time_scales": (4.0, 2.5, 1.5, 1.0), "policy_time_scale": 2.5, "policies": POLICIES}
 QUICK = {"num_requests": 16, "time_scales": (4.0, 2.0), "policy_time_scale": 2.0, "policies": ("random", "conductor")}
 

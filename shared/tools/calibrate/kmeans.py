@@ -1,6 +1,6 @@
 """Weighted one-dimensional k-means: the non-uniform codebooks of KVQuant, weighted by Fisher information.
 
-Owns the clustering only; what the samples and weights are is `calibrate`'s business.
+Owns the clustering only; what the samples and weights are is `kvquant`'s business.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 each layer's attention probabilities to the profiler) and decoding (several variants of one sequence side by side,
 each KV head seeing only the keys its rule keeps).
 
-Owns the visibility masks and the heavy-hitter accumulation during decoding. What a rule keeps is `kept`'s, which
-policy a head gets `profile`'s, the figures `evaluate`'s.
+Owns the visibility masks and the heavy-hitter accumulation during decoding. What a rule keeps is
+`shared.fastgen.kept`'s, which policy a head gets `shared.fastgen.profile`'s, the figures `fastgen`'s.
 """
 
 from __future__ import annotations
@@ -15,26 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from shared.fastgen.codec_variants import ServedKv
 from shared.fastgen.kept import KeptRule
-
-
-def causal_row_probs(q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Causal attention probabilities of the last W query rows over every key, softmax in float64.
-
-    Args:
-        q_rows: [W, num_heads, head_dim], the queries at positions n - W .. n - 1; k: [n, num_kv_heads, head_dim]
-            (GQA: query head h reads KV head h // (num_heads / num_kv_heads)).
-    Returns:
-        float64 [num_heads, W, n]; zero past each row's position.
-    """
-    num_rows, num_heads, head_dim = q_rows.shape
-    num_tokens = k.shape[0]
-    keys = k.repeat_interleave(num_heads // k.shape[1], dim=1).transpose(0, 1)  # [num_heads, n, head_dim]
-    logits = q_rows.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(head_dim)  # [num_heads, W, n]
-    rows = torch.arange(num_tokens - num_rows, num_tokens, device=k.device)
-    future = torch.arange(num_tokens, device=k.device)[None, :] > rows[:, None]
-    return logits.double().masked_fill(future, -math.inf).softmax(dim=-1)
+from shared.fastgen.profile import causal_row_probs
+from shared.tools.eval.fastgen_codecs import ServedKv
 
 
 class PrefillAttention:

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadgen.client import ClientOptions, ServerError, resolve_model
-from loadgen.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
 from loadgen.metrics import Slo, Summary, summarize
 from loadgen.record import RequestRecord
 from loadgen.runner import RunOptions, run
 from loadgen.trace import TraceOptions, load_trace
 from loadgen.workload import PlannedRequest
+from shared.tools.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
 
 TSUKIMI, BASELINE = "tsukimi", "baseline"
 
