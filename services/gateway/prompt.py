@@ -1,6 +1,6 @@
 """From a validated request to what the scheduler needs: prompt token ids, their block hashes, its sampling.
 
-Owns the chat template call, the context-length check and the default `max_tokens`; not HTTP, not NATS.
+Owns the chat template call, the context-length check and the cap of `max_tokens` by the context; not HTTP, not NATS.
 """
 
 from __future__ import annotations

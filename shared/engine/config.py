@@ -7,6 +7,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shared.env_vars import default, default_int
 from shared.fastgen.policies import FastGenSettings
 from shared.kvcompress import CODEC_NAMES, KvCalibrationError
 from shared.kvcompress.bundled import calibration_digest, resolve_calibration
@@ -20,7 +21,7 @@ KV_POLICIES = ("full", "fastgen")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs.
+    """How the engine runs; each default is its `TSUKIMI_*` variable's (`shared.env_vars`).
 
     Args:
         device: "cpu", "cuda", "cuda:1", or "auto" (CUDA when present).
@@ -41,18 +42,18 @@ class EngineConfig:
         ValueError: an unknown dtype or codec, a setting out of range, or a codec without the calibration it needs.
     """
 
-    device: str = "auto"
-    dtype: str = "fp32"
-    block_size: int = 64
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kernels: str = "auto"
-    num_threads: int = 0
+    device: str = default("TSUKIMI_DEVICE")
+    dtype: str = default("TSUKIMI_DTYPE")
+    block_size: int = default_int("TSUKIMI_BLOCK_SIZE")
+    kv_cache_bytes: int = default_int("TSUKIMI_KV_CACHE_MB") << 20
+    max_num_seqs: int = default_int("TSUKIMI_MAX_NUM_SEQS")
+    max_num_batched_tokens: int = default_int("TSUKIMI_MAX_BATCHED_TOKENS")
+    kernels: str = default("TSUKIMI_KERNELS")
+    num_threads: int = default_int("TSUKIMI_NUM_THREADS")
     enable_prefix_caching: bool = True
-    kv_codec: str = "none"
+    kv_codec: str = default("TSUKIMI_KV_CODEC")
     kv_calib: str | None = None
-    kv_policy: str = "full"
+    kv_policy: str = default("TSUKIMI_KV_POLICY")
     fastgen: FastGenSettings = field(default_factory=FastGenSettings)
 
     def __post_init__(self) -> None:

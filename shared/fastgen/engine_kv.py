@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
+from shared.env_vars import default_int
 from shared.fastgen.kept import kept_entries
 from shared.fastgen.lane_store import LaneStore
 from shared.fastgen.lanes import LaneSlots
@@ -33,7 +34,7 @@ from shared.fastgen.wire import PromptProfile
 if TYPE_CHECKING:
     from shared.engine.sequence import Sequence
 
-DEFAULT_PROFILE_ROWS = 512
+DEFAULT_PROFILE_ROWS = default_int("TSUKIMI_FASTGEN_PROFILE_ROWS")
 
 
 @dataclass

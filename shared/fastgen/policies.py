@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from shared.env_vars import default, default_float
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -34,7 +36,6 @@ class Rung:
 
 FULL_LABEL = "full"
 PAPER_WIDER_LOCAL: tuple[float, ...] = ()  # the FastGen paper's ladder: no wider windows, heavy hitters alone a rung
-TSUKIMI_WIDER_LOCAL = (0.5, 0.7)  # ours: the window widens twice before the full cache; no heavy hitters alone
 
 
 def parse_shares(text: str) -> tuple[float, ...]:
@@ -45,6 +46,10 @@ def parse_shares(text: str) -> tuple[float, ...]:
         return tuple(float(item) for item in text.split(","))
     except ValueError:
         raise ValueError(f"expected shares like 0.5,0.7 (or none), got {text!r}") from None
+
+
+TSUKIMI_WIDER_LOCAL = parse_shares(default("TSUKIMI_FASTGEN_WIDER_LOCAL"))  # ours: the window widens twice before
+# the full cache; no heavy hitters alone
 
 
 @dataclass(frozen=True)
@@ -68,12 +73,12 @@ class FastGenSettings:
         ValueError: a value out of range.
     """
 
-    threshold: float = 0.95
-    r_local: float = 0.3
-    r_frequent: float = 0.3
+    threshold: float = default_float("TSUKIMI_FASTGEN_T")
+    r_local: float = default_float("TSUKIMI_FASTGEN_R_LOCAL")
+    r_frequent: float = default_float("TSUKIMI_FASTGEN_R_FREQUENT")
     profile_rows: int | None = None
     wider_local: tuple[float, ...] = TSUKIMI_WIDER_LOCAL
-    frequent_alone: bool = False
+    frequent_alone: bool = default("TSUKIMI_FASTGEN_FREQUENT_ALONE") == "on"
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold <= 1:

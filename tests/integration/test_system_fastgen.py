@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ENV_VARS
 from shared.engine.engine import LLMEngine
+from shared.env_vars import ENV_VARS
 from shared.fastgen.policies import FastGenSettings
 from shared.wire.protocol import SamplingParams
 from tests.integration.system_fixture import System, start_system, stop_system

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from shared.config import ENV_VARS
+from shared.env_vars import ENV_VARS
 from shared.tools.cli.compose import render_compose, render_host_network, to_yaml
 from shared.tools.cli.main import main
 from shared.tools.topology import (

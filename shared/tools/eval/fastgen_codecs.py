@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from shared.env_vars import default_int
 from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.bundled import resolve_calibration
 from shared.kvcompress.calibration import load_calibration
@@ -27,7 +28,7 @@ from shared.model.config import LlamaConfig
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
 LANE_CODECS = CALIBRATED_CODEC_NAMES  # kvquant-4, -3, -2: the codecs lane records exist for
-DEFAULT_BLOCK_SIZE = 64  # the engine's (TSUKIMI_BLOCK_SIZE)
+DEFAULT_BLOCK_SIZE = default_int("TSUKIMI_BLOCK_SIZE")  # the engine's
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""Each default is declared once, in `shared.env_vars`: a service, the engine's and FastGen's dataclasses and the
+CLI's flags all start from the same values (they once differed: a 512 MiB KV pool for services, 1 GiB for the CLI)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from shared.config import load_settings
+from shared.engine.config import EngineConfig
+from shared.env_vars import ENV_VARS, default_int
+from shared.fastgen.engine_kv import DEFAULT_PROFILE_ROWS
+from shared.fastgen.policies import FastGenSettings
+from shared.tools.cli.common import add_engine_args, engine_config_from_args
+
+
+def test_a_service_without_variables_gets_the_dataclasses_defaults() -> None:
+    engine = load_settings("prefill", {}).engine
+    assert engine.fastgen.profile_rows == DEFAULT_PROFILE_ROWS  # what the engine profiles on when given None
+    assert replace(engine, fastgen=replace(engine.fastgen, profile_rows=None)) == EngineConfig()
+    assert EngineConfig().fastgen == FastGenSettings()
+
+
+def test_the_clis_engine_flags_default_to_the_same_engine() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
+
+
+def test_defaults_are_the_tables() -> None:
+    config = EngineConfig()
+    assert config.kv_cache_bytes == default_int("TSUKIMI_KV_CACHE_MB") << 20
+    assert config.block_size == default_int("TSUKIMI_BLOCK_SIZE")
+    assert config.max_num_batched_tokens == default_int("TSUKIMI_MAX_BATCHED_TOKENS")
+    assert DEFAULT_PROFILE_ROWS == default_int("TSUKIMI_FASTGEN_PROFILE_ROWS")
+    assert all(name.startswith("TSUKIMI_") and var.help for name, var in ENV_VARS.items())
