@@ -21,7 +21,7 @@ from services.cache_store.tiers.dram import DramTier
 from services.cache_store.tiers.ssd import SsdTier
 from services.cache_store.tiers.tiers import CacheStats, TieredStore
 from services.common.tasks import BackgroundTasks
-from shared.config import ConfigError, Settings
+from shared.config import CacheStoreSettings, ConfigError
 from shared.wire.bus import Bus
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_events import CLEARED, STORED, KvEventLog, KvEventPublisher
@@ -72,7 +72,7 @@ class CacheStoreService:
         clock: monotonic seconds, for expiring pending puts and read leases (tests pass their own).
     """
 
-    def __init__(self, settings: Settings, bus: Bus, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: CacheStoreSettings, bus: Bus, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings, self.bus, self.clock = settings, bus, clock
         self.shard = settings.cache_shard
         ssd = SsdTier(Path(settings.cache_ssd_dir), settings.cache_ssd_bytes) if settings.cache_ssd_dir else None

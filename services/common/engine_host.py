@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from shared.config import Settings
+from shared.config import EngineSettings
 from shared.engine.engine import LLMEngine
 from shared.wire.log import get_logger
 
@@ -89,7 +89,7 @@ class EngineHost(Generic[R]):
                     pass
 
 
-async def load_engine(settings: Settings) -> LLMEngine:
+async def load_engine(settings: EngineSettings) -> LLMEngine:
     """The engine `TSUKIMI_ENGINE` names: the model (loaded on a worker thread), or the sim backend's stand-in for
     `TSUKIMI_SIM_PROFILE`."""
     if settings.engine_kind == "sim":

@@ -9,9 +9,9 @@ import asyncio
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from shared.config import ConfigError, Settings, load_settings
+from shared.config import ConfigError, ServiceSettings, load_role_settings
 from shared.wire.bus import Bus, BusError
 from shared.wire.log import configure_logging, get_logger, keep_secret, redact_url
 from shared.wire.protocol import Subjects
@@ -32,7 +32,8 @@ class Service(Protocol):
     async def stop(self) -> None: ...
 
 
-ServiceFactory = Callable[[Settings, Bus], Awaitable[Service]]
+S = TypeVar("S", bound=ServiceSettings)
+ServiceFactory = Callable[[S, Bus], Awaitable[Service]]  # builds a service from its role's settings
 
 
 def wait_for_signal() -> asyncio.Event:
@@ -44,18 +45,19 @@ def wait_for_signal() -> asyncio.Event:
     return stop
 
 
-async def connect_service(settings: Settings) -> Bus:
-    """A service's connection: its instance id as the client name, its role's credentials (whose password no log
-    line of this process will show). Raises BusError."""
-    keep_secret(settings.nats_credentials.password)
-    keep_secret(settings.cache_block_key.decode(errors="replace"))
+async def connect_service(settings: ServiceSettings) -> Bus:
+    """A service's connection: its instance id as the client name, its role's credentials (no log line of this
+    process will show them, nor any other of its secrets). Raises BusError."""
+    for secret in settings.secrets():
+        keep_secret(secret)
     return await Bus.connect(settings.nats_url, settings.instance_id, Subjects(settings.subject_prefix),
                              settings.nats_credentials)
 
 
-async def serve_until_signalled(role: str, factory: ServiceFactory) -> None:
-    """Load settings, log, connect, build and start the service, wait for a signal, stop, drain."""
-    settings = load_settings(role)
+async def serve_until_signalled(role: str, kind: type[S], factory: ServiceFactory[S]) -> None:
+    """Load the role's settings (of class `kind`), log, connect, build and start the service, wait for a signal,
+    stop, drain."""
+    settings = load_role_settings(kind, role)
     configure_logging(role, settings.instance_id, settings.log_level, settings.log_format)
     stop = wait_for_signal()
     bus = await connect_service(settings)
@@ -75,10 +77,10 @@ async def serve_until_signalled(role: str, factory: ServiceFactory) -> None:
         raise ServiceBroken(f"{role} {settings.instance_id} stopped: its engine cannot recover")
 
 
-def run_service(role: str, factory: ServiceFactory) -> None:
+def run_service(role: str, kind: type[S], factory: ServiceFactory[S]) -> None:
     """The `main()` of every service: exit code 2 with a message on a configuration error."""
     try:
-        asyncio.run(serve_until_signalled(role, factory))
+        asyncio.run(serve_until_signalled(role, kind, factory))
     except (ConfigError, BusError) as exc:
         print(f"{role}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

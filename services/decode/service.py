@@ -17,7 +17,7 @@ import torch
 
 from services.common.engine_host import EngineHost
 from services.common.warmup import time_decode_steps
-from shared.config import Settings
+from shared.config import EngineSettings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import FinishReason
@@ -76,7 +76,7 @@ class DecodeService:
         engine: the decode engine.
     """
 
-    def __init__(self, settings: Settings, bus: Bus, engine: LLMEngine) -> None:
+    def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine) -> None:
         self.settings, self.bus, self.engine = settings, bus, engine
         self.host: EngineHost[RequestOutput | _Failure] = EngineHost(engine)
         self.receiver = KvReceiver(settings.kv_deadline_s, settings.kv_buffer_bytes, settings.request_timeout_s)

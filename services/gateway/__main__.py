@@ -1,4 +1,4 @@
-"""`python -m services.gateway`: the gateway service, configured by `TSUKIMI_*` variables (shared/config.py);
+"""`python -m services.gateway`: the gateway service, configured by `TSUKIMI_*` variables (shared/env_vars.py);
 listens on TSUKIMI_HOST:TSUKIMI_PORT."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from services.gateway.app import GatewayConfig
 from services.gateway.backend import COLOCATED_ROLES_FOR_HEALTH, ROLES_FOR_HEALTH
 from services.gateway.prompt import ModelInfo
 from services.gateway.service import GatewayService
-from shared.config import ConfigError, Settings
+from shared.config import ConfigError, GatewaySettings
 from shared.model.manifest import read_manifest
 from shared.sim.manifest import sim_manifest, sim_model_name
 from shared.sim.profiles import get_profile
@@ -19,7 +19,7 @@ from shared.wire.bus import Bus
 from shared.wire.protocol import Role
 
 
-def model_info(settings: Settings) -> ModelInfo:
+def model_info(settings: GatewaySettings) -> ModelInfo:
     """The served model's tokenizer and limits, from its manifest (no weights are loaded). Under the sim backend:
     the profile's limits, the default tokenizer, and a model id that says it is simulated."""
     if settings.engine_kind == "sim":
@@ -36,7 +36,7 @@ def model_info(settings: Settings) -> ModelInfo:
     )
 
 
-async def build(settings: Settings, bus: Bus) -> GatewayService:
+async def build(settings: GatewaySettings, bus: Bus) -> GatewayService:
     """The gateway for these settings. Raises ConfigError: an API key file or a model that cannot be used."""
     try:
         api_keys = load_api_keys(settings.api_keys_file) if settings.api_keys_file else None
@@ -53,7 +53,7 @@ async def build(settings: Settings, bus: Bus) -> GatewayService:
 
 
 def main() -> None:
-    run_service(Role.GATEWAY, build)
+    run_service(Role.GATEWAY, GatewaySettings, build)
 
 
 if __name__ == "__main__":

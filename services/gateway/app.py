@@ -42,7 +42,7 @@ Parser = Callable[[dict[str, Any]], ChatRequest | CompletionRequest]
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """HTTP-side settings (from `Settings`: block_size, request_timeout_s, max_body_bytes, progress_timeout_s,
+    """HTTP-side settings (from `GatewaySettings`: block_size, request_timeout_s, max_body_bytes, progress_timeout_s,
     http_read_timeout_s, and the keys of TSUKIMI_API_KEYS_FILE; None: no keys needed). `health_roles` from the
     deployment: a colocated one has no prefill pool."""
 

@@ -9,7 +9,7 @@ from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.backend import NatsBackend
 from services.gateway.http_server import make_runner
 from services.gateway.prompt import ModelInfo
-from shared.config import ConfigError, Settings
+from shared.config import ConfigError, GatewaySettings
 from shared.wire.bus import Bus
 from shared.wire.log import get_logger
 
@@ -26,7 +26,7 @@ class GatewayService:
         config: the HTTP side's settings.
     """
 
-    def __init__(self, settings: Settings, bus: Bus, model: ModelInfo, config: GatewayConfig) -> None:
+    def __init__(self, settings: GatewaySettings, bus: Bus, model: ModelInfo, config: GatewayConfig) -> None:
         self.settings, self.model, self.config = settings, model, config
         self.backend = NatsBackend(bus, settings.instance_timeout_s)
         self.gateway = Gateway(model, self.backend, config)

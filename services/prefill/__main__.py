@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.common.engine_host import load_engine
 from services.common.lifecycle import run_service
 from services.prefill.service import PrefillService
-from shared.config import Settings
+from shared.config import EngineSettings
 from shared.wire.block_integrity import BlockSigner
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
@@ -15,7 +15,7 @@ from shared.wire.protocol import Role
 log = get_logger("services.prefill")
 
 
-async def build(settings: Settings, bus: Bus) -> PrefillService:
+async def build(settings: EngineSettings, bus: Bus) -> PrefillService:
     engine = await load_engine(settings)
     if not settings.cache_block_key:
         log.warning("TSUKIMI_CACHE_BLOCK_KEY is not set: the cache-store's KV blocks are not signed, so a block put "
@@ -25,7 +25,7 @@ async def build(settings: Settings, bus: Bus) -> PrefillService:
 
 
 def main() -> None:
-    run_service(Role.PREFILL, build)
+    run_service(Role.PREFILL, EngineSettings, build)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_prefill_steps
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
-from shared.config import Settings
+from shared.config import EngineSettings
 from shared.engine.blocks import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv_cache import KVPool
@@ -76,7 +76,7 @@ class PrefillService:
         cache: the cache-store client, or None to run without the shared pool.
     """
 
-    def __init__(self, settings: Settings, bus: Bus, engine: LLMEngine, cache: CacheClient | None) -> None:
+    def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine, cache: CacheClient | None) -> None:
         self.settings, self.bus, self.engine, self.cache = settings, bus, engine, cache
         self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-encode")

@@ -16,7 +16,7 @@ from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
 from services.scheduler.estimates import ClusterView, Tracked
 from services.scheduler.index import BlockIndex
 from services.scheduler.policies import Placement, Policy, make_policy
-from shared.config import Settings
+from shared.config import SchedulerSettings
 from shared.sim.cost import prior_samples
 from shared.sim.profiles import get_profile
 from shared.wire.bus import Bus, BusError
@@ -52,7 +52,7 @@ class SchedulerService:
         policy: overrides the configured policy (tests).
     """
 
-    def __init__(self, settings: Settings, bus: Bus, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, settings: SchedulerSettings, bus: Bus, clock: Callable[[], float] = time.monotonic,
                  policy: Policy | None = None) -> None:
         self.settings, self.bus = settings, bus
         self.instances = LiveInstances(settings.instance_timeout_s, clock)

@@ -29,7 +29,7 @@ HEADER = """\
 #
 # One image, tsukimi:latest (the Dockerfile), runs every container, nats-server included. The OpenAI-compatible API
 # is then at http://localhost:8000/v1; GET /health answers 200 once at least one prefill and one decode instance are
-# alive. Local settings (any TSUKIMI_* variable of shared/config.py) belong in a docker-compose.override.yml, which
+# alive. Local settings (any TSUKIMI_* variable of shared/env_vars.py) belong in a docker-compose.override.yml, which
 # docker compose merges in. A CUDA image: see the Dockerfile. podman-compose: see the README.
 """
 

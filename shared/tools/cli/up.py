@@ -12,7 +12,15 @@ import socket
 import tempfile
 from pathlib import Path
 
-from shared.config import ENGINES, POLICIES, REJECTION_MODES, ConfigError, Settings, check_http_exposure, load_settings
+from shared.config import (
+    ENGINES,
+    POLICIES,
+    REJECTION_MODES,
+    ClusterSettings,
+    ConfigError,
+    check_http_exposure,
+    load_role_settings,
+)
 from shared.engine.config import KV_POLICIES
 from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(
-    args: argparse.Namespace, settings: Settings, topology: Topology, nats_binary: str | None, log_dir: Path,
+    args: argparse.Namespace, settings: ClusterSettings, topology: Topology, nats_binary: str | None, log_dir: Path,
     auth: LocalSecrets | None,
 ) -> int:
     infra_specs, nats_port = [], None
@@ -192,10 +200,10 @@ def _local_auth(args: argparse.Namespace) -> LocalSecrets | None:
     return LocalSecrets.create(secrets)
 
 
-def _environment_settings(overrides: dict[str, str]) -> Settings:
+def _environment_settings(overrides: dict[str, str]) -> ClusterSettings:
     """This shell's TSUKIMI_* variables and the flags' overrides, checked now: every child would fail on a bad one."""
     try:
-        return load_settings("up", overrides=overrides)
+        return load_role_settings(ClusterSettings, "up", overrides=overrides)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
@@ -235,7 +243,7 @@ def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _topology(args: argparse.Namespace, settings: Settings) -> Topology:
+def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
     if args.colocated and (args.prefill or args.decode):
         raise CliError("--colocated N replaces --prefill and --decode")
     prefill, decode = (0, args.colocated) if args.colocated else (args.prefill or 1, args.decode or 1)
@@ -258,7 +266,7 @@ def _topology(args: argparse.Namespace, settings: Settings) -> Topology:
         raise CliError(str(exc)) from None
 
 
-def _check_exposure(host: str, settings: Settings) -> None:
+def _check_exposure(host: str, settings: ClusterSettings) -> None:
     """No API open to the network by accident; an API keys file that the gateway could not read fails now."""
     try:
         check_http_exposure(host, settings.api_keys_file or "", settings.insecure_http)
