@@ -20,12 +20,13 @@ from services.common.warmup import time_decode_steps
 from shared.config import EngineSettings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv_cache import KVPool
+from shared.engine.prompt_kv import PackedPromptKv
 from shared.engine.sequence import FinishReason
 from shared.fastgen.wire import ProfileError, ProfileParts
 from shared.wire.bus import Bus
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_transfer.chunks import KvTransferError
-from shared.wire.kv_transfer.packed import PackedPromptKv, assemble_packed
+from shared.wire.kv_transfer.packed import assemble_packed
 from shared.wire.kv_transfer.receiver import KvReceiver
 from shared.wire.log import get_logger
 from shared.wire.protocol import (
@@ -237,9 +238,9 @@ class DecodeService:
             packed = self.engine.packed_format
             kv: torch.Tensor | PackedPromptKv
             if packed is not None:
-                kv = await asyncio.to_thread(
+                kv = PackedPromptKv(*await asyncio.to_thread(
                     assemble_packed, assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, packed
-                )
+                ))
             else:
                 pool = self.engine.runner.pool
                 assert isinstance(pool, KVPool)

@@ -25,6 +25,7 @@ from shared.engine.blocks import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixSource
+from shared.engine.prompt_kv import PackedLayerKv
 from shared.engine.sequence import FinishReason, Sequence
 from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.wire.bus import Bus
@@ -32,7 +33,7 @@ from shared.wire.cache_client import CacheClient
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_events import KvEventLog, KvEventPublisher
 from shared.wire.kv_transfer.chunks import chunk_layer_kv, num_kv_chunks
-from shared.wire.kv_transfer.packed import PackedLayerKv, chunk_packed_layer, num_packed_chunks
+from shared.wire.kv_transfer.packed import chunk_packed_layer, num_packed_chunks
 from shared.wire.log import get_logger
 from shared.wire.payload import Payload
 from shared.wire.protocol import (
@@ -274,8 +275,9 @@ class PrefillService:
             rid = held.task.request_id
             if isinstance(kv, PackedLayerKv):
                 assert self._packed is not None
-                encode = functools.partial(chunk_packed_layer, rid, layer_idx, kv, self._packed, first, total,
-                                           self._chunk_bytes, compress_payload=compress_payload)
+                encode = functools.partial(chunk_packed_layer, rid, layer_idx, kv.blocks, kv.tail, kv.num_tokens,
+                                           self._packed, first, total, self._chunk_bytes,
+                                           compress_payload=compress_payload)
             else:
                 encode = functools.partial(chunk_layer_kv, rid, layer_idx, kv, first, total, self._chunk_bytes,
                                            compress_payload=compress_payload)

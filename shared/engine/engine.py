@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from shared.engine.batching import Scheduler, StepPlan
 from shared.engine.blocks import BlockManager, make_namespace
 from shared.engine.config import EngineConfig
+from shared.engine.fastgen.kv import FastGenKv
+from shared.engine.fastgen.lane_store import CodedLaneStore, RawLaneStore
 from shared.engine.isolation import FailureIsolation
 from shared.engine.kv_cache import KVPool, LayerCallback
 from shared.engine.kv_handoff import EngineFull, KvHandoff, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
-from shared.fastgen.engine_kv import FastGenKv
-from shared.fastgen.lane_store import CodedLaneStore, RawLaneStore
 from shared.fastgen.token_classes import TokenClasses
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer

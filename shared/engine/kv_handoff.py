@@ -1,6 +1,6 @@
 """Disaggregation, the engine's side: prompt KV out of a prefill engine (per layer, as blocks for the cache-store) and
-into a decode engine (`add_prefilled`), raw or through the engine's KV codec. A mixin of `LLMEngine`; the wire
-formats are `shared.wire.kv_transfer.chunks` and `shared.wire.kv_transfer.packed`.
+into a decode engine (`add_prefilled`), raw or through the engine's KV codec (`prompt_kv`'s packed forms). A mixin of
+`LLMEngine`; how they travel is the wire's (`shared.wire.kv_transfer`), which the engine does not import.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import torch
 from shared.engine.blocks import OutOfBlocks
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.kv_cache import KVPool
-from shared.engine.prompt_kv import check_prompt_kv, write_packed
+from shared.engine.prompt_kv import PackedFormat, PackedLayerKv, PackedPromptKv, check_prompt_kv, write_packed
 from shared.engine.sequence import Sequence
 from shared.fastgen.wire import PromptProfile
 from shared.model.tokenizer import IncrementalDetokenizer
-from shared.wire.kv_transfer.packed import PackedFormat, PackedLayerKv, PackedPromptKv
 from shared.wire.payload import Payload
 from shared.wire.protocol import SamplingParams
 
@@ -25,8 +24,8 @@ if TYPE_CHECKING:
     from shared.engine.batching import Scheduler
     from shared.engine.blocks import BlockManager
     from shared.engine.config import EngineConfig
+    from shared.engine.fastgen.kv import FastGenKv
     from shared.engine.runner import Runner
-    from shared.fastgen.engine_kv import FastGenKv
     from shared.model.config import LlamaConfig
     from shared.model.tokenizer import Tokenizer
 

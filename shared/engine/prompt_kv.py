@@ -1,14 +1,54 @@
-"""Prompt KV computed elsewhere, as it enters an engine: whether it is a whole prompt in the form the engine's pool
-keeps (raw tensors or a codec's packed blocks), and packed KV written into a codec pool.
+"""A prompt's KV in the engine's packed form (an engine with a KV codec: `PackedFormat`, one layer `PackedLayerKv`, a
+whole prompt `PackedPromptKv`), and prompt KV computed elsewhere as it enters an engine: whether it is a whole prompt
+in the form the engine's pool keeps (raw tensors or packed blocks), and packed KV written into a codec pool. How the
+packed form travels is `shared.wire.kv_transfer.packed`'s.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from shared.engine.codec_pool import CodecKvPool
 from shared.model.config import LlamaConfig
-from shared.wire.kv_transfer.packed import PackedFormat, PackedPromptKv
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """What the two engines must agree on: the codec (with its calibration), block size and byte sizes."""
+
+    kv_format: str  # EngineConfig.kv_format
+    block_size: int
+    block_bytes: int  # one layer of one block
+    sink_bytes: int  # added to a sequence's first block
+    tail_dtype: torch.dtype
+
+    def blocks_bytes(self, num_full_blocks: int, first_block: int = 0) -> int:
+        """Bytes of `num_full_blocks` consecutive blocks starting at the sequence's block `first_block`."""
+        sink = self.sink_bytes if first_block == 0 and num_full_blocks else 0
+        return num_full_blocks * self.block_bytes + sink
+
+    def tail_bytes(self, num_tokens: int, kv_heads: int, head_dim: int) -> int:
+        return 2 * kv_heads * num_tokens * head_dim * self.tail_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PackedLayerKv:
+    """One layer of a prompt: its full blocks' codec bytes back to back, and the partial last block's tokens."""
+
+    blocks: bytes
+    tail: torch.Tensor  # [2, kv_heads, num_tokens % block_size, head_dim]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PackedPromptKv:
+    """A whole prompt: `PackedLayerKv` of every layer, as decode receives it."""
+
+    layers: list[bytes]
+    tail: torch.Tensor  # [num_layers, 2, kv_heads, num_tokens % block_size, head_dim]
+    num_tokens: int
 
 
 def check_prompt_kv(

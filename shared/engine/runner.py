@@ -15,11 +15,11 @@ from shared.engine.codec_attention import CodecAttention, CodecStepLayout
 from shared.engine.codec_decode import FusedDecode
 from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
-from shared.engine.fastgen_attention import FastGenAttention, split_chunks
+from shared.engine.fastgen.attention import FastGenAttention, split_chunks
+from shared.engine.fastgen.kv import FastGenKv
 from shared.engine.kv_cache import KVPool, LayerCallback, PaddedPrefill, PagedAttention, PrefillSegment, StepMetadata
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
-from shared.fastgen.engine_kv import FastGenKv
 from shared.kvcompress import layer_codecs, load_calibration
 from shared.model.checkpoint import Checkpoint
 from shared.model.config import LlamaConfig

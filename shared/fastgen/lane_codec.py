@@ -15,7 +15,7 @@ vector (f the calibration's outlier fraction):
   K, V outlier channels    uint8 [n] each
 
 SmolLM2 (D = 64, f = 1%: n = 1) at 4 bits: 74 bytes an entry, against 256 in fp16 (3.46x). The sequence's first
-token (the attention sink) is coded like the others here; `sparse_kv`'s coded store keeps it whole beside the lanes.
+token (the attention sink) is coded like the others here; the engine's coded lane store keeps it whole beside the lanes.
 Owns the record layout and its tensor encode/decode; the codebooks and ranges are the kvquant calibration's.
 """
 

@@ -10,8 +10,9 @@ import pytest
 
 from shared.engine.engine import LLMEngine, PrefilledRequest
 from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.prompt_kv import PackedLayerKv, PackedPromptKv
 from shared.wire.kv_transfer.chunks import KvAssembly
-from shared.wire.kv_transfer.packed import PackedLayerKv, assemble_packed, chunk_packed_layer, num_packed_chunks
+from shared.wire.kv_transfer.packed import assemble_packed, chunk_packed_layer, num_packed_chunks
 from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -68,11 +69,12 @@ def test_packed_prompt_kv_over_the_wire_decodes_as_one_engine(make_engine) -> No
     total = num_packed_chunks(num_layers, len(prompt), fmt, max_chunk_bytes=3 * fmt.block_bytes)
     assembly = KvAssembly("r", total)
     for layer in range(num_layers):
-        for chunk in chunk_packed_layer("r", layer, layers[layer], fmt, layer * total // num_layers, total,
-                                        3 * fmt.block_bytes):
+        kv_layer = layers[layer]
+        for chunk in chunk_packed_layer("r", layer, kv_layer.blocks, kv_layer.tail, kv_layer.num_tokens, fmt,
+                                        layer * total // num_layers, total, 3 * fmt.block_bytes):
             assembly.add(chunk)
     cfg = decode.model_config
-    kv = assemble_packed(assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, fmt)
+    kv = PackedPromptKv(*assemble_packed(assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, fmt))
     decode.add_prefilled(PrefilledRequest("r", prompt, first.new_token_ids[0], len(first.new_text), GREEDY, kv))
     tokens = list(first.new_token_ids)
     while decode.has_unfinished():

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
-from shared.fastgen.lane_store import RawLaneStore
-from shared.fastgen.lanes import LaneSlots
+from shared.engine.fastgen.lane_store import RawLaneStore
+from shared.engine.fastgen.lanes import LaneSlots
+from shared.engine.fastgen.sparse_kv import SparseKv, append_lanes
 from shared.fastgen.policies import FastGenSettings
-from shared.fastgen.sparse_kv import SparseKv, append_lanes
 
 LAYERS, HEADS, BLOCKS, BLOCK_SIZE, DIM = 2, 3, 6, 4, 8
 

@@ -1,14 +1,14 @@
 """Prompt KV of an engine with a KV codec, prefill -> decode: each layer's whole blocks as the codec's bytes (the very
 bytes the pool and the cache-store hold) and its partial last block in full precision, in `KvChunk`s.
 
-Owns the packed layer (`PackedLayerKv`), the whole prompt (`PackedPromptKv`), chunking by whole blocks and reassembly
-with exact size checks. Verification, compression and the stall deadline are `chunks`' and `receiver`'s, shared
-with raw tensors.
+Owns chunking by whole blocks and reassembly with exact size checks; the packed forms themselves are the engine's
+(`shared.engine.prompt_kv`), which this module reads through `PackedSizes`. Verification, compression and the stall
+deadline are `chunks`' and `receiver`'s, shared with raw tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,49 +18,34 @@ from shared.wire.payload import CODEC_RAW, SizeOnly, checksum, compress
 from shared.wire.protocol import KvChunk
 
 
-@dataclass(frozen=True)
-class PackedFormat:
-    """What the two engines must agree on: the codec (with its calibration), block size and byte sizes."""
+class PackedSizes(Protocol):
+    """What chunking and reassembly read of the engines' packed format (`shared.engine.prompt_kv.PackedFormat`):
+    the codec's name, block size, the tail's dtype and the bytes of consecutive blocks."""
 
-    kv_format: str  # EngineConfig.kv_format
-    block_size: int
-    block_bytes: int  # one layer of one block
-    sink_bytes: int  # added to a sequence's first block
-    tail_dtype: torch.dtype
+    @property
+    def kv_format(self) -> str: ...
 
-    def blocks_bytes(self, num_full_blocks: int, first_block: int = 0) -> int:
-        """Bytes of `num_full_blocks` consecutive blocks starting at the sequence's block `first_block`."""
-        sink = self.sink_bytes if first_block == 0 and num_full_blocks else 0
-        return num_full_blocks * self.block_bytes + sink
+    @property
+    def block_size(self) -> int: ...
 
-    def tail_bytes(self, num_tokens: int, kv_heads: int, head_dim: int) -> int:
-        return 2 * kv_heads * num_tokens * head_dim * self.tail_dtype.itemsize
+    @property
+    def block_bytes(self) -> int: ...
 
+    @property
+    def tail_dtype(self) -> torch.dtype: ...
 
-@dataclass(frozen=True)
-class PackedLayerKv:
-    """One layer of a prompt: its full blocks' codec bytes back to back, and the partial last block's tokens."""
-
-    blocks: bytes
-    tail: torch.Tensor  # [2, kv_heads, num_tokens % block_size, head_dim]
-    num_tokens: int
+    def blocks_bytes(self, num_full_blocks: int, first_block: int = 0) -> int: ...
 
 
-@dataclass(frozen=True)
-class PackedPromptKv:
-    """A whole prompt: `PackedLayerKv` of every layer, as decode receives it."""
-
-    layers: list[bytes]
-    tail: torch.Tensor  # [num_layers, 2, kv_heads, num_tokens % block_size, head_dim]
-    num_tokens: int
+PackedPrompt = tuple[list[bytes], torch.Tensor, int]  # each layer's block bytes, the tails, num_tokens
 
 
-def num_packed_chunks(num_layers: int, num_tokens: int, fmt: PackedFormat, max_chunk_bytes: int) -> int:
+def num_packed_chunks(num_layers: int, num_tokens: int, fmt: PackedSizes, max_chunk_bytes: int) -> int:
     """How many chunks `chunk_packed_layer`, called once per layer, makes for a whole prompt."""
     return num_layers * len(_spans(num_tokens, fmt, max_chunk_bytes))
 
 
-def _spans(num_tokens: int, fmt: PackedFormat, max_chunk_bytes: int) -> list[tuple[int, int]]:
+def _spans(num_tokens: int, fmt: PackedSizes, max_chunk_bytes: int) -> list[tuple[int, int]]:
     """Token ranges of one layer's chunks: whole blocks, as many as fit `max_chunk_bytes` (at least one); the partial
     last block travels with the last range."""
     size = fmt.block_size
@@ -77,26 +62,27 @@ def _spans(num_tokens: int, fmt: PackedFormat, max_chunk_bytes: int) -> list[tup
 
 
 def chunk_packed_layer(
-    request_id: str, layer_idx: int, kv: PackedLayerKv, fmt: PackedFormat, first_seq: int, total: int,
-    max_chunk_bytes: int, *, compress_payload: bool = True,
+    request_id: str, layer_idx: int, blocks: bytes, tail: torch.Tensor, num_tokens: int, fmt: PackedSizes,
+    first_seq: int, total: int, max_chunk_bytes: int, *, compress_payload: bool = True,
 ) -> list[KvChunk]:
-    """One layer as chunks of whole blocks (see `num_packed_chunks` for `total`).
+    """One layer as chunks of whole blocks (see `num_packed_chunks` for `total`): its full blocks' codec bytes back
+    to back and its partial last block's tokens, tail [2, kv_heads, num_tokens % block_size, head_dim].
 
     Raises:
         ValueError: the blocks' bytes or the tail do not fit `num_tokens` in this format.
     """
     size = fmt.block_size
-    full = kv.num_tokens // size
-    if len(kv.blocks) != fmt.blocks_bytes(full) or kv.tail.shape[2] != kv.num_tokens % size:
-        raise ValueError(f"{len(kv.blocks)} bytes and a tail of {kv.tail.shape[2]} tokens do not hold "
-                         f"{kv.num_tokens} tokens of {fmt.kv_format}")
-    tail = kv.tail.detach().cpu().contiguous()
+    full = num_tokens // size
+    if len(blocks) != fmt.blocks_bytes(full) or tail.shape[2] != num_tokens % size:
+        raise ValueError(f"{len(blocks)} bytes and a tail of {tail.shape[2]} tokens do not hold "
+                         f"{num_tokens} tokens of {fmt.kv_format}")
+    tail = tail.detach().cpu().contiguous()
     chunks = []
-    for i, (t0, t1) in enumerate(_spans(kv.num_tokens, fmt, max_chunk_bytes)):
+    for i, (t0, t1) in enumerate(_spans(num_tokens, fmt, max_chunk_bytes)):
         b0, b1 = t0 // size, min(t1 // size, full)
         start = fmt.blocks_bytes(b0)
-        raw = kv.blocks[start : start + fmt.blocks_bytes(b1 - b0, b0)]
-        if t1 == kv.num_tokens and kv.num_tokens % size:
+        raw = blocks[start : start + fmt.blocks_bytes(b1 - b0, b0)]
+        if t1 == num_tokens and num_tokens % size:
             raw += tail.view(torch.uint8).numpy().tobytes()
         codec, data = compress(raw, 1) if compress_payload else (CODEC_RAW, raw)
         chunks.append(KvChunk(
@@ -108,9 +94,10 @@ def chunk_packed_layer(
 
 
 def assemble_packed(
-    assembly: KvAssembly, num_layers: int, kv_heads: int, head_dim: int, fmt: PackedFormat
-) -> PackedPromptKv:
-    """The whole prompt from a complete assembly of packed chunks.
+    assembly: KvAssembly, num_layers: int, kv_heads: int, head_dim: int, fmt: PackedSizes
+) -> PackedPrompt:
+    """The whole prompt from a complete assembly of packed chunks: each layer's full blocks' bytes, the tails
+    [num_layers, 2, kv_heads, num_tokens % block_size, head_dim] in the format's dtype, and num_tokens.
 
     Raises:
         KvTransferError: chunks missing or overlapping, another KV format than this engine's, or a chunk whose size
@@ -147,4 +134,4 @@ def assemble_packed(
             values = np.frombuffer(data, dtype=np.uint8, offset=blocks_size).copy()
             tail[header.layer_start] = torch.from_numpy(values).view(wire_dtype).view(2, kv_heads, num_tail, head_dim)
     joined = [b"".join(part for _, part in sorted(parts)) for parts in layers]
-    return PackedPromptKv(joined, tail.to(fmt.tail_dtype), num_tokens)
+    return joined, tail.to(fmt.tail_dtype), num_tokens

@@ -2,7 +2,7 @@
 sequence from its blocks into lanes (freeing the blocks), then decode it over its lanes, evicting after every step.
 
 Owns which requests are profiled, pending or in lanes, and the figures the engine reports (entries and bytes held,
-bytes saved). The storage is `sparse_kv`'s and `lanes`'; the policies `profile`'s and `kept`'s.
+bytes saved). The storage is `sparse_kv`'s and `lanes`'; the policies `shared.fastgen.profile`'s and `kept`'s.
 
 Profiling uses the query rows of the chunk that completes the prompt, at most `profile_rows` of its last (default
 512): the attention of those rows over every key of the prompt, [num_heads, W, n] in float64, once per layer (for
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
+from shared.engine.fastgen.lane_store import LaneStore
+from shared.engine.fastgen.lanes import LaneSlots
+from shared.engine.fastgen.sparse_kv import SparseKv, append_lanes, attend_lanes, evict_lanes
 from shared.env_vars import default_int
 from shared.fastgen.kept import kept_entries
-from shared.fastgen.lane_store import LaneStore
-from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.profile import causal_row_probs, profile_layer
-from shared.fastgen.sparse_kv import SparseKv, append_lanes, attend_lanes, evict_lanes
 from shared.fastgen.token_classes import TokenClasses
 from shared.fastgen.wire import PromptProfile
 

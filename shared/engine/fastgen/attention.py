@@ -1,7 +1,7 @@
 """The step's attention when the engine runs FastGen: sequences whose KV is in lanes decode over them (their rows come
 first), every other row goes through the paged pool as usual, and prompts completed by this step are profiled.
 
-Owns the split of the step's rows and which prompts are profiled; the lanes and the profile are `shared.fastgen`'s.
+Owns the split of the step's rows and which prompts are profiled; the lanes are `kv`'s, the profile `shared.fastgen`'s.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from shared.engine.batching import ScheduledChunk
 from shared.engine.codec_attention import CodecAttention
+from shared.engine.fastgen.kv import FastGenKv
 from shared.engine.kv_cache import PagedAttention
-from shared.fastgen.engine_kv import FastGenKv
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shared.engine.fastgen.lane_store import LaneStore
+from shared.engine.fastgen.lanes import LaneSlots
 from shared.fastgen.kept import kept_entries
-from shared.fastgen.lane_store import LaneStore
-from shared.fastgen.lanes import LaneSlots
 from shared.fastgen.policies import FastGenSettings
 
 
