@@ -11,7 +11,7 @@ import jinja2
 
 from services.gateway.errors import bad_request
 from services.gateway.openai_api import ChatRequest, CompletionRequest, GenerationOptions
-from shared.engine.blocks import block_hashes, make_namespace
+from shared.engine.block_hash import block_hashes, make_namespace
 from shared.model.tokenizer import Tokenizer
 from shared.wire.protocol import SamplingError, SamplingParams
 

@@ -21,7 +21,7 @@ from services.common.warmup import time_prefill_steps
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
-from shared.engine.blocks import block_hashes
+from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv_cache import KVPool
 from shared.engine.prefix_load import PrefixSource

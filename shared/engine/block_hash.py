@@ -1,6 +1,6 @@
 """The chained block hash, the spec of docs/block-hash.md: every service names a KV block by it.
 
-Pure functions over token ids; `shared.engine.blocks` (which re-exports them) pages and caches blocks by these ids.
+Pure functions over token ids; `shared.engine.blocks` pages and caches blocks by these ids.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The paged block manager; also re-exports the chained block hash of docs/block-hash.md (`shared.engine.block_hash`).
+"""The paged block manager; the chained block hash it registers blocks under is `shared.engine.block_hash`'s.
 
 Owns block ids, reference counts, the prefix-cache index, its LRU and the events that report the index's changes;
 owns no tensors (no torch here).
@@ -11,13 +11,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-# The hash functions are re-exported: services import them from here.
 from shared.engine.block_checks import InvariantChecks
-from shared.engine.block_hash import block_hashes, chain_hash, hash_block, le_bytes, make_namespace, u32_tokens
+from shared.engine.block_hash import chain_hash, le_bytes, u32_tokens
 from shared.wire.protocol.messages import REMOVED, STORED  # the BlockManager's event kinds are the KvEvent kinds
 
-__all__ = ["REMOVED", "STORED", "BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks", "block_hashes",
-           "hash_block", "make_namespace"]
+__all__ = ["BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks"]
 
 # Called with (STORED or REMOVED, block hashes) each time blocks enter or leave the prefix-cache index.
 BlockEventHook = Callable[[str, list[int]], None]

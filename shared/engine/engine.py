@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shared.engine.batching import Scheduler, StepPlan
-from shared.engine.blocks import BlockManager, make_namespace
+from shared.engine.block_hash import make_namespace
+from shared.engine.blocks import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.fastgen.kv import FastGenKv
 from shared.engine.fastgen.lane_store import CodedLaneStore, RawLaneStore

@@ -64,8 +64,22 @@ class KvQuantCodec(KvCodec):
             bits, outlier_fraction, key_center.float().cpu(), key_scale.float().cpu(), key_codebook.float().cpu(),
             value_codebook.float().cpu(),
         )
-        self.key_center, self.key_scale = self.tables.key_center, self.tables.key_scale
-        self.key_codebook, self.value_codebook = self.tables.key_codebook, self.tables.value_codebook
+
+    @property
+    def key_center(self) -> torch.Tensor:
+        return self.tables.key_center
+
+    @property
+    def key_scale(self) -> torch.Tensor:
+        return self.tables.key_scale
+
+    @property
+    def key_codebook(self) -> torch.Tensor:
+        return self.tables.key_codebook
+
+    @property
+    def value_codebook(self) -> torch.Tensor:
+        return self.tables.value_codebook
 
     # --- the KvCodec byte interface (one block) -------------------------------------------------------------------
 

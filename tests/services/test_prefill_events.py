@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from services.prefill.measure import MovingRate, StepSamples
-from shared.engine.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
+from shared.engine.block_hash import block_hashes, make_namespace
+from shared.engine.blocks import BlockManager
 from shared.engine.engine import StepStats
 from shared.wire.kv_events import KvEventLog
+from shared.wire.protocol.messages import REMOVED, STORED
 
 NS = make_namespace("test-model", "fp16")
 

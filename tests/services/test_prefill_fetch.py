@@ -17,7 +17,7 @@ import torch
 
 from services.prefill.service import PrefillService
 from shared.config import load_settings
-from shared.engine.blocks import STORED, block_hashes
+from shared.engine.block_hash import block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.wire.bus import Bus
@@ -41,6 +41,7 @@ from shared.wire.protocol import (
     StreamEvent,
     Subjects,
 )
+from shared.wire.protocol.messages import STORED
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 PREFIX = "pft"

@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.blocks import block_hashes, hash_block, make_namespace
+from shared.engine.block_hash import block_hashes, hash_block, make_namespace
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "block-hash.md"
 NS = make_namespace("test-model", "fp16")

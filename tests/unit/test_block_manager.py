@@ -7,7 +7,8 @@ from collections.abc import Hashable, Sequence
 import pytest
 from block_probes import observable
 
-from shared.engine.blocks import BlockManager, OutOfBlocks, block_hashes, make_namespace
+from shared.engine.block_hash import block_hashes, make_namespace
+from shared.engine.blocks import BlockManager, OutOfBlocks
 
 NS = make_namespace("test-model", "fp16")
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.blocks import REMOVED, STORED, BlockManager, block_hashes, make_namespace
+from shared.engine.block_hash import block_hashes, make_namespace
+from shared.engine.blocks import BlockManager
+from shared.wire.protocol.messages import REMOVED, STORED
 
 NS = make_namespace("test-model", "fp16")
 

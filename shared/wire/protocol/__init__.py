@@ -21,14 +21,13 @@ from shared.wire.protocol.messages import (
     KvEvent,
     PrefillTask,
     Role,
-    SamplingError,
-    SamplingParams,
     Snapshot,
     SnapshotRequest,
     StreamEvent,
     SubmitReply,
     SubmitRequest,
 )
+from shared.wire.protocol.sampling import SamplingError, SamplingParams
 from shared.wire.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjects, is_valid_request_id
 
 __all__ = [
