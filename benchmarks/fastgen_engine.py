@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.codec_pool import CodecKvPool
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.fastgen.policies import FastGenSettings
@@ -64,15 +63,6 @@ class Run:
     kept_share: float
 
 
-def held_bytes(engine: LLMEngine) -> int:
-    """KV bytes the engine holds: its held blocks, and a codec pool's tails in use."""
-    manager, pool = engine.block_manager, engine.runner.pool
-    held = (manager.num_blocks - manager.num_free_blocks) * pool.block_footprint
-    if isinstance(pool, CodecKvPool):
-        held += pool.num_tails_held * pool.tails[:, :, 0].numel() * pool.tails.element_size()
-    return held
-
-
 def run(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> Run:
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -91,7 +81,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> Run:
         engine.step()
         steps.append(time.perf_counter() - started)
         peak = max(peak, manager.num_blocks - manager.num_free_blocks)
-        peak_bytes = max(peak_bytes, held_bytes(engine))
+        peak_bytes = max(peak_bytes, engine.store.num_bytes_held)
     return Run(prompt_step_s, steps, peak, peak_bytes, kept)
 
 

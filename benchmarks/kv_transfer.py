@@ -1,10 +1,12 @@
 """Streams one prompt's KV prefill -> decode over a real nats-server (embedded, loopback), as
-`shared.wire.kv_transfer.chunks` chunks, with byte-shuffle + LZ4 and with compression off, and prints end-to-end
-MB/s, wire MB and the compression ratio.
+`shared.wire.kv_transfer.prompt` chunks of a raw store's blocks (`BlockFormat` of the dtype, blocks of 16 tokens), with
+byte-shuffle + LZ4 and with compression off, and prints end-to-end MB/s, wire MB and the compression ratio.
 
-Not a test. The publisher (this process) chunks, compresses and publishes the KV layer by layer, as prefill does; a
-subscriber in a child process (as decode does, through `Bus.serve` and `KvReceiver`) verifies each chunk, assembles the
-tensor and says so. MB/s = raw KV bytes / wall time from the first chunk made to the assembled tensor (MB = 10^6 B).
+Not a test. The publisher (this process) cuts each layer into its block form (full blocks' bytes and the partial last
+block's tokens, as a paged store's `read_prompt_layer` gives them), chunks, compresses and publishes it layer by layer,
+as prefill does; a subscriber in a child process (as decode does, through `Bus.serve` and `KvReceiver`) verifies each
+chunk, reassembles the prompt (`assemble_prompt`) and says so. MB/s = raw KV bytes / wall time from the first layer
+cut to the reassembled prompt (MB = 10^6 B).
 Both ends share this machine's cores; across machines compress and decompress would overlap instead of adding up.
 The last lines set the bytes LZ4 saves against the CPU it costs (shuffle, compress, verify, decompress; one core,
 best of 3): below that link speed, compression wins.
@@ -27,15 +29,18 @@ from dataclasses import dataclass
 import torch
 from nats.aio.msg import Msg
 
+from shared.engine.kv.store import BlockFormat
 from shared.tools.nats_server import EmbeddedNatsServer
 from shared.wire.bus import Bus
-from shared.wire.kv_transfer.chunks import DTYPE_NAMES, KvAssembly, chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError
+from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.kv_transfer.receiver import KvReceiver
 from shared.wire.log import configure_logging
-from shared.wire.payload import checksum
+from shared.wire.payload import Payload, checksum
 from shared.wire.protocol import KvChunk, Message, Subjects
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
+BLOCK_SIZE = 16  # the engines' default
 SUBJECTS = Subjects("bench")
 DECODE_ID = "decode-0"
 DONE, VERIFIED, READY, STOP = "bench.done", "bench.verified", "bench.ready", "bench.stop"  # plain-text replies
@@ -63,8 +68,37 @@ def synthetic_kv(num_tokens: int, seed: int) -> torch.Tensor:
     return (x.transpose(3, 4) * scale).contiguous()
 
 
-def tensor_checksum(t: torch.Tensor) -> int:
-    return checksum(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+def raw_format(dtype: torch.dtype) -> BlockFormat:
+    """A raw store's block form: one layer of one block is [2, kv_heads, block_size, head_dim] of `dtype`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return BlockFormat(WIRE_NAMES[dtype], BLOCK_SIZE, 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * itemsize, 0, dtype)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def layer_blocks(kv_layer: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """One layer [2, heads, tokens, head_dim] in the block form: its full blocks' bytes back to back, each block
+    [2, heads, block_size, head_dim] in C order, and its tail [2, heads, tokens % block_size, head_dim]."""
+    _, heads, num_tokens, head_dim = kv_layer.shape
+    cut = num_tokens // BLOCK_SIZE * BLOCK_SIZE
+    blocks = kv_layer[:, :, :cut].reshape(2, heads, -1, BLOCK_SIZE, head_dim).permute(2, 0, 1, 3, 4)
+    return tensor_bytes(blocks), kv_layer[:, :, cut:].contiguous()
+
+
+def prompt_checksum(layers: list[Payload], tail: torch.Tensor) -> int:
+    """Of every layer's blocks and the tails: equal at both ends when the prompt arrived bit for bit (-1 for sizes
+    alone, which match nothing)."""
+    data = [layer for layer in layers if isinstance(layer, bytes)]
+    return checksum(b"".join(data) + tensor_bytes(tail)) if len(data) == len(layers) else -1
+
+
+def kv_checksum(kv: torch.Tensor) -> int:
+    """`prompt_checksum` of `kv` [layers, 2, heads, tokens, head_dim] in the block form."""
+    cut = [layer_blocks(kv[layer]) for layer in range(kv.shape[0])]
+    layers: list[Payload] = [blocks for blocks, _ in cut]
+    return prompt_checksum(layers, torch.stack([tail for _, tail in cut]))
 
 
 # ---- decode side (child process) ------------------------------------------------------------------------------
@@ -90,10 +124,16 @@ async def receive(url: str) -> None:
         assembly = receiver.take_complete(msg.request_id)
         if assembly is None:
             return
-        kv = assembly.assemble(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE_NAMES[assembly.wire_dtype])
+        # A decode engine assembles in its own format; this one takes each stream's (every dtype is measured).
+        fmt = raw_format(DTYPE_NAMES[assembly.kv_format])
+        try:
+            layers, tail, _ = assemble_prompt(assembly, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, fmt)
+        except KvTransferError as exc:
+            await bus.client.publish(DONE, f"{msg.request_id} {exc}".encode())
+            return
         await bus.client.publish(DONE, msg.request_id.encode())
         await bus.client.flush()  # the clock stops at DONE; the checksum below is not timed
-        await bus.client.publish(VERIFIED, f"{msg.request_id} {tensor_checksum(kv)}".encode())
+        await bus.client.publish(VERIFIED, f"{msg.request_id} {prompt_checksum(layers, tail)}".encode())
 
     async def on_stop(_: Msg) -> None:
         stop.set()
@@ -134,15 +174,18 @@ class Publisher:
 
     async def transfer(self, request_id: str, kv: torch.Tensor, mode: str, expected_checksum: int) -> Transfer:
         """Stream `kv` [layers, 2, heads, tokens, head_dim] layer by layer; time it until the receiver assembled it."""
-        num_layers, _, heads, num_tokens, head_dim = kv.shape
-        total = num_kv_chunks(num_layers, num_tokens, 2 * heads * head_dim * kv.element_size(), self.chunk_bytes)
+        num_layers, _, _, num_tokens, _ = kv.shape
+        fmt = raw_format(kv.dtype)
+        total = num_prompt_chunks(num_layers, num_tokens, fmt, self.chunk_bytes)
         done, verified = self.expect(DONE, request_id), self.expect(VERIFIED, request_id)
         subject = SUBJECTS.decode_kv(DECODE_ID)
         wire_bytes = seq = 0
         start = time.perf_counter()
         for layer in range(num_layers):
-            chunks = chunk_layer_kv(
-                request_id, layer, kv[layer], seq, total, self.chunk_bytes, compress_payload=MODES[mode]
+            blocks, tail = layer_blocks(kv[layer])
+            chunks = chunk_prompt_layer(
+                request_id, layer, blocks, tail, num_tokens, fmt, seq, total, self.chunk_bytes,
+                compress_payload=MODES[mode],
             )
             for chunk in chunks:
                 await self.bus.publish(subject, chunk)
@@ -158,8 +201,7 @@ class Publisher:
         if error:
             raise RuntimeError(f"{request_id}: {error}")
         is_verified = int(await asyncio.wait_for(verified, self.timeout_s)) == expected_checksum
-        name = next(n for n, d in DTYPE_NAMES.items() if d == kv.dtype)
-        return Transfer(name, mode, total, kv.numel() * kv.element_size(), wire_bytes, wall_s, is_verified)
+        return Transfer(fmt.kv_format, mode, total, kv.numel() * kv.element_size(), wire_bytes, wall_s, is_verified)
 
 
 async def start_receiver(bus: Bus, url: str) -> multiprocessing.process.BaseProcess:
@@ -190,7 +232,7 @@ async def run(args: argparse.Namespace, url: str) -> tuple[list[Transfer], dict[
         results, costs = [], {}
         for dtype in args.dtype:
             kv = base.to(DTYPE_NAMES[dtype])
-            expected = tensor_checksum(kv)
+            expected = kv_checksum(kv)
             for i in range(args.repeats + 1):  # the first round warms up and is not counted
                 for mode in MODES:
                     result = await publisher.transfer(f"{dtype}-{mode}-{i}", kv, mode, expected)
@@ -209,17 +251,20 @@ async def run(args: argparse.Namespace, url: str) -> tuple[list[Transfer], dict[
 
 
 def codec_cost_s(kv: torch.Tensor, chunk_bytes: int, compress_payload: bool) -> float:
-    """CPU seconds, best of 3 on one core, to chunk `kv` and verify + decompress the chunks (no network, no msgpack)."""
-    num_layers, _, heads, num_tokens, head_dim = kv.shape
-    total = num_kv_chunks(num_layers, num_tokens, 2 * heads * head_dim * kv.element_size(), chunk_bytes)
+    """CPU seconds, best of 3 on one core, to cut `kv` into blocks and chunks and verify + decompress the chunks (no
+    network, no msgpack)."""
+    num_layers, _, _, num_tokens, _ = kv.shape
+    fmt = raw_format(kv.dtype)
+    total = num_prompt_chunks(num_layers, num_tokens, fmt, chunk_bytes)
     best = math.inf
     for _ in range(3):
         start = time.process_time()
         assembly = KvAssembly("cost", total)
         for layer in range(num_layers):
             first_seq = assembly.num_received
-            for chunk in chunk_layer_kv("cost", layer, kv[layer], first_seq, total, chunk_bytes,
-                                        compress_payload=compress_payload):
+            blocks, tail = layer_blocks(kv[layer])
+            for chunk in chunk_prompt_layer("cost", layer, blocks, tail, num_tokens, fmt, first_seq, total,
+                                            chunk_bytes, compress_payload=compress_payload):
                 assembly.add(chunk)
         best = min(best, time.process_time() - start)
     return best
@@ -234,7 +279,7 @@ def median_speed(results: list[Transfer], dtype: str, mode: str) -> tuple[Transf
 
 def report(results: list[Transfer], costs: dict[str, float], args: argparse.Namespace) -> None:
     print(f"KV of {args.tokens} tokens, {NUM_LAYERS} layers x {NUM_KV_HEADS} kv heads x head dim {HEAD_DIM} "
-          f"(synthetic), chunks of <= {args.chunk_kb} KiB raw, median of {args.repeats}")
+          f"(synthetic), chunks of {BLOCK_SIZE}-token blocks <= {args.chunk_kb} KiB raw, median of {args.repeats}")
     print(f"{'dtype':<6}{'mode':<13}{'chunks':>7}{'raw MB':>9}{'wire MB':>9}{'ratio':>7}{'ms':>8}{'MB/s':>8}  verified")
     for dtype in args.dtype:
         for mode in MODES:
@@ -259,8 +304,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
     parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=list(DTYPE_NAMES),
-                        help="wire dtypes to measure (default: fp32 bf16)")
-    parser.add_argument("--chunk-kb", type=int, default=256, help="largest raw payload per chunk, KiB (default 256)")
+                        help="raw KV formats (dtypes) to measure (default: fp32 bf16)")
+    parser.add_argument("--chunk-kb", type=int, default=256,
+                        help="raw payload per chunk, KiB: as many whole blocks as fit, at least one; a layer's last "
+                             "chunk also carries the partial last block (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed transfers per dtype and mode (default 5)")
     parser.add_argument("--timeout-s", type=float, default=60.0,
                         help="give up on a transfer after this long, s (default 60)")

@@ -8,6 +8,7 @@ cache-store keeps it. Nothing here knows prefill from decode.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -89,14 +90,15 @@ class EngineHost(Generic[R]):
                     pass
 
 
-async def load_engine(settings: EngineSettings) -> LLMEngine:
+async def load_engine(settings: EngineSettings, prompt_only: bool = False) -> LLMEngine:
     """The engine `TSUKIMI_ENGINE` names: the model (loaded on a worker thread), or the sim backend's stand-in for
-    `TSUKIMI_SIM_PROFILE`."""
+    `TSUKIMI_SIM_PROFILE`; `prompt_only` for a prefill instance's (`EngineConfig.prompt_only`)."""
+    config = dataclasses.replace(settings.engine, prompt_only=prompt_only)
     if settings.engine_kind == "sim":
         from shared.sim.engine import build_sim_engine
 
-        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, settings.engine)
+        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, config)
         log.info("simulated engine: steps sleep for a roofline model, no model runs", profile=settings.sim_profile,
                  kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
         return engine
-    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, settings.engine)
+    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, config)

@@ -13,20 +13,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from services.common.engine_host import EngineHost
 from services.common.warmup import time_decode_steps
 from shared.config import EngineSettings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
-from shared.engine.kv_cache import KVPool
-from shared.engine.prompt_kv import PackedPromptKv
+from shared.engine.kv.store import PromptKv
 from shared.engine.sequence import FinishReason
 from shared.fastgen.wire import ProfileError, ProfileParts
 from shared.wire.bus import Bus
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_transfer.chunks import KvTransferError
-from shared.wire.kv_transfer.packed import assemble_packed
+from shared.wire.kv_transfer.prompt import assemble_prompt
 from shared.wire.kv_transfer.receiver import KvReceiver
 from shared.wire.log import get_logger
 from shared.wire.protocol import (
@@ -135,7 +132,7 @@ class DecodeService:
             max_num_seqs=self.engine.runner.max_num_seqs,
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=[*running, *self._waiting, *ready, *self.receiver.request_ids()], samples=samples,
-            block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
+            block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
             kv_moved_tokens=self._moved_tokens, kv_saved_bytes=self._kv_saved_bytes,
         )
@@ -235,18 +232,9 @@ class DecodeService:
                 raise KvTransferError(f"request {request_id}: expected {task.num_chunks} KV chunks")
             profile = None if not task.num_profile_parts else self.profiles.take(
                 request_id, cfg.num_layers, cfg.num_kv_heads, len(task.prompt_ids), self.engine.config.fastgen.full + 1)
-            packed = self.engine.packed_format
-            kv: torch.Tensor | PackedPromptKv
-            if packed is not None:
-                kv = PackedPromptKv(*await asyncio.to_thread(
-                    assemble_packed, assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, packed
-                ))
-            else:
-                pool = self.engine.runner.pool
-                assert isinstance(pool, KVPool)
-                kv = await asyncio.to_thread(
-                    assembly.assemble, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.tensor.dtype
-                )
+            kv = PromptKv(*await asyncio.to_thread(
+                assemble_prompt, assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.engine.block_format
+            ))
             params = _continuation_params(task.sampling)
         except (KvTransferError, ValueError) as exc:
             await self._fail(request_id, str(exc))
@@ -286,13 +274,12 @@ class DecodeService:
                 self._running.discard(request_id)
         failures = self._admit_prompts() + self._admit_ready()
         outputs = self._timed_step() if self.engine.has_unfinished() else []
-        fastgen = self.engine.fastgen
         scheduler = self.engine.scheduler
         prompts_left = sum(s.num_uncomputed_tokens for s in [*scheduler.running, *scheduler.waiting]
                            if s.num_uncomputed_tokens > 1)
         with self._lock:
             self._running.difference_update(out.request_id for out in outputs if out.finished)
-            self._kv_saved_bytes = 0 if fastgen is None else fastgen.total_bytes_saved()
+            self._kv_saved_bytes = self.engine.kv_bytes_saved()
             self._num_prompt_tokens_left = prompts_left
         return [*failures, *outputs], self.engine.has_unfinished()
 

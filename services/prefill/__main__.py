@@ -16,7 +16,7 @@ log = get_logger("services.prefill")
 
 
 async def build(settings: EngineSettings, bus: Bus) -> PrefillService:
-    engine = await load_engine(settings)
+    engine = await load_engine(settings, prompt_only=True)
     if not settings.cache_block_key:
         log.warning("TSUKIMI_CACHE_BLOCK_KEY is not set: the cache-store's KV blocks are not signed, so a block put "
                     "under another block's hash would be used (see `tsukimi secrets`)")

@@ -13,9 +13,8 @@ import functools
 import time
 
 from services.prefill.measure import MovingRate
-from shared.engine.codec_pool import CodecKvPool
-from shared.engine.kv_cache import KVPool
-from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.store import KvStore
 from shared.wire.cache_client import CacheClient
 from shared.wire.log import get_logger
 
@@ -26,19 +25,19 @@ class StoreLoader:
     """Starts prefix loads for the engine (on its thread) and runs their fetches (on the event loop).
 
     Every block is fetched part by part in order, all blocks at once, so the first layers of every block arrive
-    first; each part goes into the pool as it arrives.
+    first; each part goes into the store as it arrives.
 
     Args:
         cache: the cache-store client.
-        pool: the engine's KV pool.
+        store: the engine's KV store.
         loop: the event loop the fetches run on.
         timeout_s: a load that makes no progress this long fails (its request is then recomputed).
     """
 
     def __init__(
-        self, cache: CacheClient, pool: KVPool | CodecKvPool, loop: asyncio.AbstractEventLoop, timeout_s: float
+        self, cache: CacheClient, store: KvStore, loop: asyncio.AbstractEventLoop, timeout_s: float
     ) -> None:
-        self.cache, self.pool, self.loop, self.timeout_s = cache, pool, loop, timeout_s
+        self.cache, self.store, self.loop, self.timeout_s = cache, store, loop, timeout_s
         self.bandwidth = MovingRate()  # bytes per second of completed loads
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -53,7 +52,7 @@ class StoreLoader:
 
     def _start(self, request_id: str, hashes: list[int], first_block: int, block_ids: list[int]) -> PrefixLoad:
         """Engine thread, at admission: the load of blocks [first_block, first_block + len(block_ids))."""
-        load = PrefixLoad(self.pool, block_ids, self.timeout_s, first_block=first_block)
+        load = PrefixLoad(self.store, block_ids, self.timeout_s, first_block=first_block)
         wanted = hashes[first_block : first_block + len(block_ids)]
         self.loop.call_soon_threadsafe(self._spawn, request_id, wanted, load)
         return load

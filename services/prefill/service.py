@@ -13,8 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_prefill_steps
@@ -23,17 +21,15 @@ from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
 from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
-from shared.engine.kv_cache import KVPool
-from shared.engine.prefix_load import PrefixSource
-from shared.engine.prompt_kv import PackedLayerKv
+from shared.engine.kv.prefix_load import PrefixSource
+from shared.engine.kv.store import PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
 from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_events import KvEventLog, KvEventPublisher
-from shared.wire.kv_transfer.chunks import chunk_layer_kv, num_kv_chunks
-from shared.wire.kv_transfer.packed import chunk_packed_layer, num_packed_chunks
+from shared.wire.kv_transfer.prompt import chunk_prompt_layer, num_prompt_chunks
 from shared.wire.log import get_logger
 from shared.wire.payload import Payload
 from shared.wire.protocol import (
@@ -92,16 +88,10 @@ class PrefillService:
         self.samples = StepSamples()
         self._last_stats: StepStats | None = None
         self.loader = None if cache is None else StoreLoader(
-            cache, engine.runner.pool, self.host.loop, settings.kv_deadline_s
+            cache, engine.store, self.host.loop, settings.kv_deadline_s
         )
-        cfg, pool = engine.model_config, engine.runner.pool
-        itemsize = pool.tensor.element_size() if isinstance(pool, KVPool) else pool.tails.element_size()
-        self._layer_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         self._chunk_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
-        self._packed = engine.packed_format  # None: raw tensors travel
         self._moved_bytes = self._moved_tokens = 0  # prompt KV sent to decode since start, and its tokens
-        if engine.fastgen is not None:  # profile here, evict on decode
-            engine.fastgen.moves_to_lanes = False
 
     async def start(self) -> None:
         if self.settings.warmup and self.settings.engine_kind == "real":  # the first heartbeat carries them
@@ -138,7 +128,7 @@ class PrefillService:
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=list(self._held), samples=self.samples.take(),
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
-            block_bytes=self.engine.runner.pool.block_footprint, kv_format=self.engine.config.kv_format,
+            block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
             kv_moved_tokens=self._moved_tokens, max_num_seqs=self.engine.runner.max_num_seqs,
         )
@@ -175,12 +165,8 @@ class PrefillService:
         return await self._events_out.snapshot()
 
     def _num_chunks(self, num_tokens: int) -> int:
-        cfg = self.engine.model_config
-        if self._packed is not None:
-            return num_packed_chunks(cfg.num_layers, num_tokens, self._packed, self._chunk_bytes)
-        pool = self.engine.runner.pool
-        is_size_only = isinstance(pool, KVPool) and pool.tensor.is_meta  # the sim engine's KV: size-only chunks
-        return num_kv_chunks(cfg.num_layers, num_tokens, self._layer_token_bytes, self._chunk_bytes, is_size_only)
+        return num_prompt_chunks(self.engine.model_config.num_layers, num_tokens, self.engine.block_format,
+                                 self._chunk_bytes)
 
     async def _admit(self, held: _Held, params: SamplingParams) -> None:
         """See what the cache-store holds, then queue the prompt in the engine (with the store's prefix to load)."""
@@ -244,8 +230,7 @@ class PrefillService:
         new_blocks = None
         if held is not None:
             held.is_prefilled = True
-            if self.engine.fastgen is not None:
-                held.profile = self.engine.fastgen.take_profile(out.request_id)
+            held.profile = self.engine.take_profile(out.request_id)
             num_full = len(held.task.prompt_ids) // self.engine.config.block_size
             if self.cache is not None and not out.finished and num_full > held.num_store_blocks:
                 new_blocks = self.engine.export_block_payloads(
@@ -267,20 +252,15 @@ class PrefillService:
             self.host.loop.call_soon_threadsafe(self._send_layer, held, layer_idx, kv, future)
 
     def _send_layer(
-        self, held: _Held, layer_idx: int, kv: torch.Tensor | PackedLayerKv, done: asyncio.Future[None]
+        self, held: _Held, layer_idx: int, kv: PromptLayerKv, done: asyncio.Future[None]
     ) -> None:
         async def send() -> None:
             per_layer = held.num_chunks // self.engine.model_config.num_layers
-            first, total, compress_payload = layer_idx * per_layer, held.num_chunks, self.settings.kv_compress
-            rid = held.task.request_id
-            if isinstance(kv, PackedLayerKv):
-                assert self._packed is not None
-                encode = functools.partial(chunk_packed_layer, rid, layer_idx, kv.blocks, kv.tail, kv.num_tokens,
-                                           self._packed, first, total, self._chunk_bytes,
-                                           compress_payload=compress_payload)
-            else:
-                encode = functools.partial(chunk_layer_kv, rid, layer_idx, kv, first, total, self._chunk_bytes,
-                                           compress_payload=compress_payload)
+            encode = functools.partial(
+                chunk_prompt_layer, held.task.request_id, layer_idx, kv.blocks, kv.tail, kv.num_tokens,
+                self.engine.block_format, layer_idx * per_layer, held.num_chunks, self._chunk_bytes,
+                compress_payload=self.settings.kv_compress,
+            )
             chunks = await self.host.loop.run_in_executor(self._encoder, encode)
             self._moved_bytes += sum(len(chunk.data) for chunk in chunks)
             subject = self.bus.subjects.decode_kv(held.task.decode_id)
@@ -346,9 +326,9 @@ class PrefillService:
         """Off the critical path: put the prompt's new full blocks into the cache-store, in parts of whole layers (so
         that a later fetch can use each part as it arrives)."""
         assert self.cache is not None
-        first, pool = held.num_store_blocks, self.engine.runner.pool
+        first, store = held.num_store_blocks, self.engine.store
         for i, data in enumerate(blocks):
-            layer_bytes = pool.payload_layer_bytes(first + i == 0)
+            layer_bytes = store.payload_layer_bytes(first + i == 0)
             await self.cache.put_block(held.hashes[first + i], data, align_bytes=layer_bytes)
 
     def _flush_events(self) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
-from shared.engine.prefix_load import PrefixLoad
+from shared.engine.kv.prefix_load import PrefixLoad
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.wire.log import get_logger
 
@@ -76,6 +76,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
+        lanes: LaneHolder | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.enable_prefix_caching = enable_prefix_caching
@@ -83,7 +84,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.lanes: LaneHolder | None = None  # set when some sequences keep their KV in lanes
+        self.lanes = lanes  # where sequences that keep their KV outside blocks (FastGen's lanes) have it
 
     def add(self, seq: Sequence) -> None:
         needed = -(-seq.num_tokens // self.block_manager.block_size)

@@ -38,6 +38,8 @@ class EngineConfig:
         kv_calib: the calibration file of a `kvquant-*` codec (default: the one shipped for SmolLM2).
         kv_policy: "full" (every token's KV stays) or "fastgen" (each KV head keeps what its profiled policy keeps:
             `shared.fastgen`), with `fastgen`'s T, r_l, r_f and profiled rows.
+        prompt_only: a prefill instance's engine, whose requests leave after their first token: FastGen profiles
+            each prompt for decode (`LLMEngine.take_profile`) instead of moving it into lanes.
     Raises:
         ValueError: an unknown dtype or codec, a setting out of range, or a codec without the calibration it needs.
     """
@@ -55,6 +57,7 @@ class EngineConfig:
     kv_calib: str | None = None
     kv_policy: str = default("TSUKIMI_KV_POLICY")
     fastgen: FastGenSettings = field(default_factory=FastGenSettings)
+    prompt_only: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_policy not in KV_POLICIES:

@@ -11,18 +11,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shared.engine.batching import Scheduler, StepPlan
-from shared.engine.block_hash import make_namespace
-from shared.engine.blocks import BlockManager
 from shared.engine.config import EngineConfig
-from shared.engine.fastgen.kv import FastGenKv
-from shared.engine.fastgen.lane_store import CodedLaneStore, RawLaneStore
 from shared.engine.isolation import FailureIsolation
-from shared.engine.kv_cache import KVPool, LayerCallback
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.store import KvStore, LayerCallback
 from shared.engine.kv_handoff import EngineFull, KvHandoff, PrefilledRequest
-from shared.engine.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
-from shared.fastgen.token_classes import TokenClasses
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire.log import get_logger
@@ -81,7 +76,8 @@ class LLMEngine(KvHandoff):
     Args:
         checkpoint: model files (config, weights, tokenizer).
         config: engine settings.
-        runner: what runs each step (default: the model on `config`'s device; the sim backend passes its own).
+        runner: what runs each step, over its KV store (default: the model on `config`'s device; the sim backend
+            passes its own).
     """
 
     def __init__(
@@ -91,35 +87,18 @@ class LLMEngine(KvHandoff):
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
         self.runner: Runner = runner or ModelRunner(checkpoint, self.config)
-        self.block_manager = BlockManager(
-            self.runner.pool.num_blocks, self.config.block_size,
-            make_namespace(checkpoint.fingerprint, self.config.kv_format),
-        )
+        self.store: KvStore = self.runner.store
+        self.block_manager = self.store.blocks
+        self.fastgen = self.store.fastgen  # None: every token's KV stays in blocks
         self.scheduler = Scheduler(
             self.block_manager, self.runner.max_num_seqs, self.config.max_num_batched_tokens,
-            self.config.enable_prefix_caching,
+            self.config.enable_prefix_caching, lanes=self.fastgen,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generate_ids = itertools.count()
         self.last_step: StepStats | None = None  # set by every step that ran a forward pass
         self.isolation = FailureIsolation()  # a step that raises: which request made it fail
-        self.fastgen = self._attach_fastgen(checkpoint) if self.config.kv_policy == "fastgen" else None
-
-    def _attach_fastgen(self, checkpoint: Checkpoint) -> FastGenKv:
-        """FastGen's lanes over this engine's pool and blocks. Raises ValueError for a pool it cannot run on."""
-        pool = self.runner.pool
-        if not isinstance(self.runner, ModelRunner):
-            raise ValueError("FastGen runs on the model runner, not the sim engine")
-        rotary = self.runner.model.rotary
-        store = RawLaneStore(pool.tensor) if isinstance(pool, KVPool) else CodedLaneStore(pool, rotary)
-        classes = TokenClasses.from_tokenizer(self.tokenizer, self.model_config.vocab_size)
-        cfg = self.model_config
-        fastgen = FastGenKv(self.config.fastgen, classes, self.block_manager, store, cfg.num_layers, cfg.num_kv_heads,
-                            self.runner.scale)
-        self.runner.fastgen = fastgen
-        self.scheduler.lanes = fastgen
-        return fastgen
 
     @classmethod
     def from_path(cls, model_path: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
@@ -190,6 +169,8 @@ class LLMEngine(KvHandoff):
         """
         only = self.isolation.restriction(set(self._seqs))
         plan = self.scheduler.schedule(only)
+        for seq in plan.preempted:  # their blocks are free; whatever else they held goes too
+            self.store.release(seq.request_id)
         # The whole pool cannot hold one more token of these: they end as at the context limit.
         outgrown = [self._finish(seq, FinishReason.LENGTH, []) for seq in plan.outgrown]
         if not plan.chunks:

@@ -1,6 +1,7 @@
-"""Disaggregation, the engine's side: prompt KV out of a prefill engine (per layer, as blocks for the cache-store) and
-into a decode engine (`add_prefilled`), raw or through the engine's KV codec (`prompt_kv`'s packed forms). A mixin of
-`LLMEngine`; how they travel is the wire's (`shared.wire.kv_transfer`), which the engine does not import.
+"""Disaggregation, the engine's side: prompt KV out of a prefill engine (per layer, and as blocks for the
+cache-store) and into a decode engine (`add_prefilled`), in the form of the engine's KV store (`BlockFormat`), with
+FastGen's profile where the engine runs it. A mixin of `LLMEngine`; how KV travels is the wire's
+(`shared.wire.kv_transfer`), which the engine does not import.
 """
 
 from __future__ import annotations
@@ -8,12 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from shared.engine.blocks import OutOfBlocks
-from shared.engine.codec_pool import CodecKvPool
-from shared.engine.kv_cache import KVPool
-from shared.engine.prompt_kv import PackedFormat, PackedLayerKv, PackedPromptKv, check_prompt_kv, write_packed
+from shared.engine.kv.store import BlockFormat, KvStore, PromptKv, PromptLayerKv
 from shared.engine.sequence import Sequence
 from shared.fastgen.wire import PromptProfile
 from shared.model.tokenizer import IncrementalDetokenizer
@@ -24,7 +21,7 @@ if TYPE_CHECKING:
     from shared.engine.batching import Scheduler
     from shared.engine.blocks import BlockManager
     from shared.engine.config import EngineConfig
-    from shared.engine.fastgen.kv import FastGenKv
+    from shared.engine.kv.fastgen.kv import FastGenKv
     from shared.engine.runner import Runner
     from shared.model.config import LlamaConfig
     from shared.model.tokenizer import Tokenizer
@@ -43,7 +40,7 @@ class PrefilledRequest:
     first_token: int  # sampled by prefill, already streamed with its first `num_emitted_chars` characters
     num_emitted_chars: int
     params: SamplingParams
-    kv: torch.Tensor | PackedPromptKv  # raw [num_layers, 2, kv_heads, len(prompt_ids), head_dim], or packed
+    kv: PromptKv
     num_cached_tokens: int = 0  # prompt tokens prefill reused, reported in usage
     fastgen_profile: PromptProfile | None = None  # prefill's FastGen profile (None: keep every token)
 
@@ -55,6 +52,7 @@ class KvHandoff:
     model_config: LlamaConfig
     tokenizer: Tokenizer
     runner: Runner
+    store: KvStore
     block_manager: BlockManager
     scheduler: Scheduler
     fastgen: FastGenKv | None
@@ -69,38 +67,29 @@ class KvHandoff:
             raise ValueError(f"token id {bad} is outside the vocabulary of {vocab} tokens")
 
     @property
-    def packed_format(self) -> PackedFormat | None:
-        """How this engine's prompt KV travels when it keeps KV through a codec (None: raw tensors)."""
-        pool = self.runner.pool
-        if not isinstance(pool, CodecKvPool):
-            return None
-        return PackedFormat(self.config.kv_format, pool.block_size, pool.block_bytes, pool.sink_bytes, pool.dtype)
+    def block_format(self) -> BlockFormat:
+        """The form this engine's prompt KV travels in (the engines at both ends must agree on it)."""
+        return self.store.block_format
 
-    def read_prompt_kv(self, request_id: str, layer_idx: int) -> torch.Tensor | PackedLayerKv:
-        """One layer's K and V of a running request's prompt: [2, kv_heads, num_prompt_tokens, head_dim], or with a
-        codec its full blocks' bytes and its partial last block."""
-        seq, pool = self._seqs[request_id], self.runner.pool
-        block_ids = self.block_manager.block_ids(request_id)
-        if not isinstance(pool, CodecKvPool):
-            return pool.read_tokens(layer_idx, block_ids, seq.num_prompt_tokens)
-        num_full = seq.num_prompt_tokens // pool.block_size
-        blocks = b"".join(pool.read_block_bytes(layer_idx, block_ids[i], i == 0) for i in range(num_full))
-        tail = pool.read_tail(request_id, layer_idx, seq.num_prompt_tokens % pool.block_size)
-        return PackedLayerKv(blocks, tail, seq.num_prompt_tokens)
+    def read_prompt_kv(self, request_id: str, layer_idx: int) -> PromptLayerKv:
+        """One layer of a running request's prompt KV."""
+        seq = self._seqs[request_id]
+        return self.store.read_prompt_layer(request_id, self.block_manager.block_ids(request_id),
+                                            seq.num_prompt_tokens, layer_idx)
 
     def export_block_payloads(self, request_id: str, first_block: int, num_blocks: int) -> list[Payload]:
-        """Full blocks of a running request as the cache-store keeps them (the pool's `block_payload`)."""
+        """Full blocks of a running request as the cache-store keeps them (the store's `block_payload`)."""
         block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
-        return [self.runner.pool.block_payload(b, first_block + i == 0) for i, b in enumerate(block_ids)]
+        return [self.store.block_payload(b, first_block + i == 0) for i, b in enumerate(block_ids)]
 
-    def export_blocks(self, request_id: str, first_block: int, num_blocks: int) -> torch.Tensor:
-        """Full blocks of a running request, every layer:
-        [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]."""
-        block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
-        pool = self.runner.pool
-        if not isinstance(pool, KVPool):
-            raise TypeError("export_blocks reads raw tensors; a codec pool exports block payloads")
-        return pool.read_blocks(block_ids)
+    def take_profile(self, request_id: str) -> PromptProfile | None:
+        """FastGen's profile of a prompt this prompt-only engine computed (`EngineConfig.prompt_only`), once; None
+        without FastGen."""
+        return None if self.fastgen is None else self.fastgen.take_profile(request_id)
+
+    def kv_bytes_saved(self) -> int:
+        """KV bytes FastGen does not hold now, over the running requests (0 without FastGen)."""
+        return 0 if self.fastgen is None else self.fastgen.total_bytes_saved()
 
     def add_prefilled(self, request: PrefilledRequest) -> None:
         """Continue a request whose prompt was computed elsewhere: its KV goes into the pool and it joins the
@@ -117,7 +106,10 @@ class KvHandoff:
         if not prompt or len(prompt) >= limit:
             raise ValueError(f"a prompt of {len(prompt)} tokens; this model's context is {limit}")
         self._check_token_ids([*prompt, request.first_token])
-        check_prompt_kv(request.kv, len(prompt), self.model_config, self.packed_format)
+        if request.kv.num_tokens != len(prompt):
+            raise ValueError(f"prompt KV of {request.kv.num_tokens} tokens for a prompt of {len(prompt)}")
+        cfg = self.model_config
+        self.block_format.check(request.kv, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         if len(self.scheduler.running) >= self.runner.max_num_seqs:
             raise EngineFull(f"the running batch holds {self.runner.max_num_seqs} sequences")
         try:
@@ -125,12 +117,7 @@ class KvHandoff:
         except OutOfBlocks as exc:
             raise EngineFull(str(exc)) from None
         block_ids = self.block_manager.block_ids(request.request_id)
-        pool = self.runner.pool
-        if isinstance(request.kv, PackedPromptKv):
-            assert isinstance(pool, CodecKvPool)
-            write_packed(pool, request.request_id, block_ids, request.kv, reused // self.config.block_size)
-        elif isinstance(pool, KVPool):
-            pool.write_tokens(block_ids, request.kv, reused // self.config.block_size)
+        self.store.write_prompt(request.request_id, block_ids, request.kv, reused // self.config.block_size)
         self.block_manager.mark_computed(request.request_id, len(prompt))
         if self.fastgen is not None:
             self._adopt_profile(request, block_ids)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from shared.wire.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from shared.engine.prefix_load import PrefixLoad, PrefixSource
+    from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
 
 
 class FinishReason(enum.StrEnum):

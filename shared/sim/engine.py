@@ -1,6 +1,6 @@
 """The sim engine: the real `LLMEngine` (batching, chunked prefill, prefix cache, stop conditions) over `SimRunner`,
-which sleeps for the profile's predicted step time instead of running a model, and whose KV pool is a meta tensor
-(shapes and sizes, no values). Every generated token is the same word.
+which sleeps for the profile's predicted step time instead of running a model, over a `SizedKvStore` (the sizes
+of the simulated model's KV, no values). Every generated token is the same word.
 
 It does not decide step times (that is `shared.sim.cost`) nor what a profile is (`shared.sim.profiles`).
 """
@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import time
 
-import torch
-
 from shared.engine.batching import StepPlan
+from shared.engine.block_hash import make_namespace
+from shared.engine.blocks import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.kv_cache import KVPool, LayerCallback
+from shared.engine.kv.sized import SizedKvStore
+from shared.engine.kv.store import LayerCallback
 from shared.engine.sampling import Sampler
 from shared.model.checkpoint import Checkpoint
 from shared.sim.cost import StepWork, step_time
@@ -42,17 +43,21 @@ class SimRunner:
 
     Args:
         profile: the model and GPUs simulated.
-        config: engine settings; the pool holds as many `block_size` blocks as the profile's GPU memory allows
+        config: engine settings; the store holds as many `block_size` blocks as the profile's GPU memory allows
             (`kv_cache_bytes` is ignored).
         token_id: the token every step produces.
+        namespace: of the store's block hashes.
     """
 
-    def __init__(self, profile: SimProfile, config: EngineConfig, token_id: int) -> None:
+    def __init__(self, profile: SimProfile, config: EngineConfig, token_id: int, namespace: bytes = b"") -> None:
+        if config.kv_policy != "full" or config.kv_codec != "none":
+            raise ValueError("the sim engine's KV has sizes alone: no KV codec, no FastGen (they need real values)")
         self.profile, self.token_id = profile, token_id
         num_blocks = profile.kv_capacity_tokens // config.block_size
         if num_blocks < 2:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
-        self.pool = KVPool(profile.model, num_blocks, config.block_size, torch.bfloat16, torch.device("meta"))
+        blocks = BlockManager(num_blocks, config.block_size, namespace)
+        self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs)
         self.sampler = Sampler()
         self.max_num_seqs = config.max_num_seqs
         self.last_step_s = 0.0  # the predicted time of the last step
@@ -111,4 +116,5 @@ def build_sim_engine(profile_name: str, config: EngineConfig, tokenizer_path: st
     profile = get_profile(profile_name)
     checkpoint = sim_checkpoint(profile, tokenizer_path)
     token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
-    return LLMEngine(checkpoint, config, runner=SimRunner(profile, config, token_id))
+    namespace = make_namespace(checkpoint.fingerprint, config.kv_format)
+    return LLMEngine(checkpoint, config, runner=SimRunner(profile, config, token_id, namespace))

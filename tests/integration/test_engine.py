@@ -73,7 +73,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(checkpoint, engine, make_eng
     prompts = [checkpoint.tokenizer.encode(f"{i}: {STORY}") for i in range(4)]
     expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     blocks_per_seq = -(-(len(prompts[0]) + 16) // 16)
-    bytes_per_block = engine.runner.pool.bytes_per_block(checkpoint.config, 16, engine.runner.dtype)
+    bytes_per_block = engine.store.block_footprint
     tiny = make_engine(kv_cache_bytes=bytes_per_block * (blocks_per_seq * 2 + 1))
     assert [c.token_ids for c in tiny.generate(prompts, GREEDY)] == expected
     assert tiny.block_manager.num_free_blocks == tiny.block_manager.num_blocks
@@ -82,7 +82,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(checkpoint, engine, make_eng
 def test_a_request_that_outgrows_the_whole_pool_ends_with_length_and_the_engine_serves_on(checkpoint, engine,
                                                                                          make_engine):
     ids = checkpoint.tokenizer.encode(STORY)
-    bytes_per_block = engine.runner.pool.bytes_per_block(checkpoint.config, 16, engine.runner.dtype)
+    bytes_per_block = engine.store.block_footprint
     blocks = -(-(len(ids) + 1) // 16) + 1  # the prompt and one more block of output, no more
     tiny = make_engine(kv_cache_bytes=bytes_per_block * blocks)
     long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

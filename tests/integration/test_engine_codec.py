@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.engine import LLMEngine, PrefilledRequest
-from shared.engine.prefix_load import PrefixLoad, PrefixSource
-from shared.engine.prompt_kv import PackedLayerKv, PackedPromptKv
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.store import PromptKv, PromptLayerKv
 from shared.wire.kv_transfer.chunks import KvAssembly
-from shared.wire.kv_transfer.packed import assemble_packed, chunk_packed_layer, num_packed_chunks
+from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def test_the_fp16_codec_answers_as_the_raw_pool(make_engine) -> None:
     prompts = [_prompt(raw), _prompt(raw, 1)]
     expected = [c.token_ids for c in raw.generate(prompts, GREEDY)]
     assert [c.token_ids for c in fp16.generate(prompts, GREEDY)] == expected
-    pool = fp16.runner.pool
+    pool = fp16.store.pool
     assert len(pool._free_tails) == pool.num_tails  # every tail came back
 
 
@@ -46,8 +46,8 @@ def test_a_kvquant_pool_holds_several_times_the_blocks(make_engine) -> None:
     """fp32 engines (this CPU has no fp16 matmuls): 8x the fp32 bytes per block is 4x an fp16 pool's."""
     raw = make_engine(kv_cache_bytes=256 << 20, block_size=64)
     quant = make_engine(kv_cache_bytes=256 << 20, block_size=64, kv_codec="kvquant-3", max_num_seqs=8)
-    assert raw.runner.pool.block_footprint >= 8 * quant.runner.pool.block_footprint  # about 9x: 32 bits against 3.4
-    assert quant.runner.pool.num_blocks >= 7.5 * raw.runner.pool.num_blocks  # the tails of 8 sequences take 9%
+    assert raw.store.pool.block_footprint >= 8 * quant.store.pool.block_footprint  # about 9x: 32 bits against 3.4
+    assert quant.store.pool.num_blocks >= 7.5 * raw.store.pool.num_blocks  # the tails of 8 sequences take 9%
     assert quant.config.kv_format.startswith("kvquant-3:") and raw.config.kv_format == "fp32"
 
 
@@ -55,9 +55,9 @@ def test_packed_prompt_kv_over_the_wire_decodes_as_one_engine(make_engine) -> No
     whole, prefill, decode = (make_engine(kv_codec=CODEC, max_num_seqs=4) for _ in range(3))
     prompt = _prompt(whole)
     expected = whole.generate([prompt], GREEDY)[0].token_ids
-    fmt = prefill.packed_format
-    assert fmt is not None and len(prompt) % fmt.block_size  # a partial last block travels too
-    layers: dict[int, PackedLayerKv] = {}
+    fmt = prefill.block_format
+    assert len(prompt) % fmt.block_size  # a partial last block travels too
+    layers: dict[int, PromptLayerKv] = {}
 
     def on_layer(layer_idx: int, seqs: list) -> None:  # noqa: ANN001
         layers[layer_idx] = prefill.read_prompt_kv("r", layer_idx)
@@ -66,15 +66,15 @@ def test_packed_prompt_kv_over_the_wire_decodes_as_one_engine(make_engine) -> No
     (first,) = prefill.step(on_layer)
     prefill.abort("r")
     num_layers = prefill.model_config.num_layers
-    total = num_packed_chunks(num_layers, len(prompt), fmt, max_chunk_bytes=3 * fmt.block_bytes)
+    total = num_prompt_chunks(num_layers, len(prompt), fmt, max_chunk_bytes=3 * fmt.block_bytes)
     assembly = KvAssembly("r", total)
     for layer in range(num_layers):
         kv_layer = layers[layer]
-        for chunk in chunk_packed_layer("r", layer, kv_layer.blocks, kv_layer.tail, kv_layer.num_tokens, fmt,
+        for chunk in chunk_prompt_layer("r", layer, kv_layer.blocks, kv_layer.tail, kv_layer.num_tokens, fmt,
                                         layer * total // num_layers, total, 3 * fmt.block_bytes):
             assembly.add(chunk)
     cfg = decode.model_config
-    kv = PackedPromptKv(*assemble_packed(assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, fmt))
+    kv = PromptKv(*assemble_prompt(assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, fmt))
     decode.add_prefilled(PrefilledRequest("r", prompt, first.new_token_ids[0], len(first.new_text), GREEDY, kv))
     tokens = list(first.new_token_ids)
     while decode.has_unfinished():
@@ -100,7 +100,7 @@ def test_a_prefix_loaded_from_block_payloads_gives_the_same_answer(make_engine) 
     assert len(payloads[0]) > len(payloads[1])  # the sequence's first block carries the sink
 
     def start(first_block: int, block_ids: list[int]) -> PrefixLoad:
-        load = PrefixLoad(target.runner.pool, block_ids, first_block=first_block)
+        load = PrefixLoad(target.store, block_ids, first_block=first_block)
         for i in range(len(block_ids)):
             assert load.write(i, payloads[first_block + i])
         return load
@@ -111,7 +111,7 @@ def test_a_prefix_loaded_from_block_payloads_gives_the_same_answer(make_engine) 
 
 def test_preemption_in_a_small_codec_pool_completes(make_engine) -> None:
     engine = make_engine(kv_codec=CODEC, max_num_seqs=3, kv_cache_bytes=10 << 20)
-    pool, size = engine.runner.pool, engine.config.block_size
+    pool, size = engine.store.pool, engine.config.block_size
     assert engine.runner.max_num_seqs == pool.num_tails == 3
     # Each sequence needs half the pool: one runs alone, three at once do not fit, so some are preempted.
     length = pool.num_blocks // 2 * size
@@ -124,6 +124,6 @@ def test_preemption_in_a_small_codec_pool_completes(make_engine) -> None:
 
 def test_a_small_budget_caps_the_batch_at_the_tails_it_can_hold(make_engine) -> None:
     engine = make_engine(kv_codec=CODEC, max_num_seqs=64, kv_cache_bytes=8 << 20)
-    pool = engine.runner.pool
+    pool = engine.store.pool
     assert engine.runner.max_num_seqs == pool.num_tails < 64
     assert pool.tails.numel() * pool.tails.element_size() <= (8 << 20) // 4

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.engine import LLMEngine
-from shared.engine.fastgen.lane_store import CodedLaneStore
+from shared.engine.kv.fastgen.lane_store import CodedLaneStore
 from shared.fastgen.policies import FastGenSettings
 from shared.tools.eval.fastgen_codecs import ServedKv, build_kv_serving
 from shared.wire.protocol import SamplingParams

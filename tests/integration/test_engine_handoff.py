@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest
-from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.store import PromptKv, PromptLayerKv
+from shared.wire.payload import SizeOnly
 from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -18,9 +20,9 @@ def _prompt(engine: LLMEngine) -> list[int]:
     return engine.tokenizer.encode("The moon festival is celebrated in autumn, when families gather to " * 3)
 
 
-def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[torch.Tensor, int, str, list[int]]:
+def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[PromptKv, int, str, list[int]]:
     """Run the prompt, capturing each layer's KV as the hook announces it; returns (kv, first token, text, order)."""
-    layers: dict[int, torch.Tensor] = {}
+    layers: dict[int, PromptLayerKv] = {}
     order: list[int] = []
 
     def on_layer(layer_idx: int, seqs: list) -> None:  # noqa: ANN001
@@ -32,7 +34,7 @@ def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[tor
     outputs = engine.step(on_layer)
     (out,) = outputs
     engine.abort(request_id)
-    kv = torch.stack([layers[i] for i in range(len(layers))])
+    kv = PromptKv.of_layers([layers[i] for i in range(len(layers))])
     return kv, out.new_token_ids[0], out.new_text, order
 
 
@@ -55,10 +57,18 @@ def test_prefill_here_decode_there_equals_one_engine(make_engine) -> None:
 def test_add_prefilled_checks_shape_and_room(make_engine) -> None:
     decode = make_engine(max_num_seqs=1)
     prompt = _prompt(decode)
-    cfg = decode.model_config
-    good = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, len(prompt), cfg.head_dim)
-    with pytest.raises(ValueError, match="shape"):
-        decode.add_prefilled(PrefilledRequest("bad", prompt, 1, 0, GREEDY, good[:, :, :, :-1]))
+    cfg, fmt = decode.model_config, decode.block_format
+    full, rest = divmod(len(prompt), fmt.block_size)
+    tail = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, rest, cfg.head_dim)
+    good = PromptKv([bytes(fmt.blocks_bytes(full))] * cfg.num_layers, tail, len(prompt))
+    with pytest.raises(ValueError, match="does not hold"):
+        decode.add_prefilled(PrefilledRequest("bad", prompt, 1, 0, GREEDY, PromptKv(good.layers, tail[:, :, :, 1:],
+                                                                                      len(prompt))))
+    with pytest.raises(ValueError, match="sizes alone"):
+        sizes = PromptKv([SizeOnly(fmt.blocks_bytes(full))] * cfg.num_layers, tail, len(prompt))
+        decode.add_prefilled(PrefilledRequest("sizes", prompt, 1, 0, GREEDY, sizes))
+    with pytest.raises(ValueError, match="tokens for a prompt of"):
+        decode.add_prefilled(PrefilledRequest("short", prompt[:-1], 1, 0, GREEDY, good))
     decode.add_prefilled(PrefilledRequest("a", prompt, 1, 0, GREEDY, good))
     with pytest.raises(EngineFull):
         decode.add_prefilled(PrefilledRequest("b", prompt, 1, 0, GREEDY, good))
@@ -71,13 +81,13 @@ def test_a_loaded_prefix_is_used_then_reused_and_gives_the_same_answer(make_engi
     source.add_request("s", prompt, GREEDY)
     source.step()
     num_usable = (len(prompt) - 1) // source.config.block_size  # the last token is always computed
-    blocks = source.export_blocks("s", 0, num_usable)
+    payloads = source.export_block_payloads("s", 0, num_usable)
     source.abort("s")
 
     def start(first_block: int, block_ids: list[int]) -> PrefixLoad:  # everything at once
-        load = PrefixLoad(target.runner.pool, block_ids)
+        load = PrefixLoad(target.store, block_ids)
         for i in range(len(block_ids)):
-            load.write(i, blocks[:, :, :, first_block + i].contiguous().view(torch.uint8).numpy().tobytes())
+            load.write(i, payloads[first_block + i])
         return load
 
     num_loaded = num_usable * source.config.block_size

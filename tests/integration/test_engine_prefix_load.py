@@ -10,9 +10,12 @@ import time
 import pytest
 import torch
 
+from kernels.backend import KernelBackend
+from shared.engine.blocks import BlockManager
 from shared.engine.engine import LLMEngine
-from shared.engine.kv_cache import KVPool
-from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.paged.pool import KVPool
+from shared.engine.kv.paged.store import PagedKvStore
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
 from shared.model.config import LlamaConfig
 from shared.wire.protocol import SamplingParams
 
@@ -22,12 +25,13 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # ---- PrefixLoad on a small pool -------------------------------------------------------------------------------
 
 
-def small_pool(num_layers: int = 3) -> KVPool:
+def small_store(num_layers: int = 3) -> PagedKvStore:
     config = LlamaConfig(
         vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=num_layers, num_heads=2, num_kv_heads=2,
         head_dim=4, rope_theta=1e4, rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True,
     )
-    return KVPool(config, num_blocks=4, block_size=2, dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(config, num_blocks=4, block_size=2, dtype=torch.float32, device=torch.device("cpu"))
+    return PagedKvStore(pool, BlockManager(4, 2), "fp32", 0.5, KernelBackend.TORCH, max_num_seqs=4)
 
 
 def block_bytes(kv: torch.Tensor) -> bytes:
@@ -35,9 +39,9 @@ def block_bytes(kv: torch.Tensor) -> bytes:
 
 
 def test_layers_become_ready_as_every_block_brings_them_in_any_pieces() -> None:
-    pool = small_pool()
+    store = small_store()
     blocks = torch.randn(3, 2, 2, 2, 2, 4)  # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
-    load = PrefixLoad(pool, [3, 1])
+    load = PrefixLoad(store, [3, 1])
     data = [block_bytes(blocks[:, :, :, b : b + 1]) for b in range(2)]
     layer = load.layer_sizes[0]
     assert load.write(0, data[0][: 2 * layer + 5])  # block 0: two layers and a few bytes of the third
@@ -48,26 +52,26 @@ def test_layers_become_ready_as_every_block_brings_them_in_any_pieces() -> None:
     assert load.num_ready_layers == 2 and not load.is_complete
     assert load.write(0, data[0][2 * layer + 5 :])
     assert load.is_complete and load.wait_layer(2)
-    assert torch.equal(pool.read_blocks([3, 1]), blocks)
+    assert torch.equal(store.pool.read_blocks([3, 1]), blocks)
 
 
 def test_a_failed_or_closed_load_takes_no_more_bytes_and_wakes_the_waiter() -> None:
-    pool = small_pool()
-    load = PrefixLoad(pool, [0])
+    store = small_store()
+    load = PrefixLoad(store, [0])
     assert not load.write(0, bytes(load.block_sizes[0] + 1))  # more than a block holds
     assert load.error is not None and not load.wait_layer(0)
-    waiting = PrefixLoad(pool, [1])
+    waiting = PrefixLoad(store, [1])
     timer = threading.Timer(0.05, waiting.fail, ["the block vanished"])
     timer.start()
     assert not waiting.wait_layer(0) and waiting.waited_s >= 0.04
-    assert not waiting.write(0, bytes(waiting.layer_sizes[0])) and pool.tensor[0, :, :, 1].abs().sum() == 0
-    closed = PrefixLoad(pool, [2])
+    assert not waiting.write(0, bytes(waiting.layer_sizes[0])) and store.pool.tensor[0, :, :, 1].abs().sum() == 0
+    closed = PrefixLoad(store, [2])
     closed.close()
     assert not closed.write(0, bytes(closed.layer_sizes[0])) and not closed.wait_layer(0)
 
 
 def test_a_stalled_load_times_out() -> None:
-    load = PrefixLoad(small_pool(), [0], timeout_s=0.05)
+    load = PrefixLoad(small_store(), [0], timeout_s=0.05)
     assert load.write(0, bytes(load.layer_sizes[0]))  # progress keeps it alive; then nothing comes
     assert load.wait_layer(0) and not load.wait_layer(1)
     assert "no progress" in (load.error or "")
@@ -86,7 +90,7 @@ class SlowLoader:
 
     def start(self, first_block: int, block_ids: list[int]) -> PrefixLoad:
         self.num_starts += 1
-        load = PrefixLoad(self.engine.runner.pool, block_ids)
+        load = PrefixLoad(self.engine.store, block_ids)
         threading.Thread(target=self._feed, args=(load, first_block), daemon=True).start()
         return load
 
@@ -129,7 +133,7 @@ def reference(make_engine):
     num_blocks = (len(prompt) - 1) // source.config.block_size
     source.add_request("x", prompt, GREEDY)
     source.step()
-    blocks = source.export_blocks("x", 0, num_blocks)
+    blocks = source.store.pool.read_blocks(source.block_manager.block_ids("x")[:num_blocks])  # a raw pool's
     source.abort("x")
     return prompt, expected.token_ids, blocks
 

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from shared.engine.block_hash import block_hashes
+from shared.engine.kv.paged.store import prompt_layer_of
+from shared.engine.kv.store import BlockFormat
 from shared.wire.bus import Bus
 from shared.wire.cache_client import split_block
-from shared.wire.kv_transfer.chunks import chunk_layer_kv
+from shared.wire.kv_transfer.prompt import chunk_prompt_layer
 from shared.wire.protocol import (
     BlockGet,
     BlockHas,
@@ -29,6 +31,7 @@ from shared.wire.protocol import (
     DecodeTask,
     ExpectHandoff,
     Heartbeat,
+    KvChunk,
     KvEvent,
     Message,
     PrefillTask,
@@ -138,7 +141,7 @@ def _valid(rng: random.Random, subject: str, subjects: Subjects) -> Message:
         ".run": [ExpectHandoff(request_id, rng.choice(INSTANCES["prefill"]), len(prompt)),
                  DecodeTask(request_id, prompt, prompt[0], 0, sampling, rng.randint(1, 60), 0, "prefill-0"),
                  PrefillTask(request_id, prompt, hashes, sampling, "decode-0", time.time())],
-        ".kv": chunk_layer_kv(request_id, 0, torch.randn(2, 3, len(prompt), 64), 0, 30, 1 << 16)[:1],
+        ".kv": _kv_chunks(request_id, len(prompt))[:1],
         ".stream.": [StreamEvent(request_id, rng.randint(0, 3), prompt[:2], "forged")],
         ".cancel": [Cancel(request_id, "fuzz")],
         ".get": [BlockGet(rng.getrandbits(64))],
@@ -211,3 +214,10 @@ def test_fuzzed_messages_on_every_subject_leave_every_service_serving(system: Sy
     assert _log_lines(system.log_dir, "refused a message")  # and the refusals were said
     reached = [line for line in _log_lines(system.log_dir, "fuzz-") if "refused a message" not in line]
     assert any("placed" in line for line in reached) and any("prefill" in line.split(":")[0] for line in reached)
+
+
+def _kv_chunks(request_id: str, num_tokens: int) -> list[KvChunk]:
+    """Layer 0 of a prompt's KV as prefill sends it (SmolLM2's shape, fp32, blocks of 64)."""
+    fmt = BlockFormat("fp32", 64, 2 * 3 * 64 * 64 * 4, 0, torch.float32)
+    kv = prompt_layer_of(torch.randn(2, 3, num_tokens, 64), fmt.block_size)
+    return chunk_prompt_layer(request_id, 0, kv.blocks, kv.tail, kv.num_tokens, fmt, 0, 30, 1 << 16)

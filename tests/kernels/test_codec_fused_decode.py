@@ -9,9 +9,9 @@ import torch
 
 from kernels.backend import KernelBackend
 from shared.engine.batching import ScheduledChunk
-from shared.engine.codec_attention import CodecAttention, CodecStepLayout
-from shared.engine.codec_decode import FusedDecode
-from shared.engine.codec_pool import CodecKvPool
+from shared.engine.kv.codec.attention import CodecAttention, CodecStepLayout
+from shared.engine.kv.codec.fused_decode import FusedDecode
+from shared.engine.kv.codec.pool import CodecKvPool
 from shared.engine.sequence import Sequence
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig

@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import torch
 from cache_stack import Stack
 
 from services.cache_store.tiers.block import StoredBlock, part_size
 from services.cache_store.tiers.ssd import SsdTier
-from shared.engine.kv_cache import KVPool
-from shared.engine.prefix_load import PrefixLoad
+from shared.engine.blocks import BlockManager
+from shared.engine.kv.prefix_load import PrefixLoad
+from shared.engine.kv.sized import SizedKvStore
 from shared.model.config import LlamaConfig
 from shared.wire.bus import BusError
 from shared.wire.cache_client import CacheClient, split_block
@@ -117,15 +117,15 @@ async def test_a_size_only_block_on_ssd_counts_the_same_after_a_restart(tmp_path
     assert reopened.num_bytes == running
 
 
-def meta_pool(num_blocks: int = 4) -> KVPool:
-    return KVPool(MODEL, num_blocks, BLOCK, torch.bfloat16, torch.device("meta"))
+def sized_store(num_blocks: int = 4) -> SizedKvStore:
+    return SizedKvStore(MODEL, BlockManager(num_blocks, BLOCK), "bf16", max_num_seqs=4)
 
 
 async def test_a_size_only_block_from_the_store_completes_a_prefix_load(cluster: Stack) -> None:
     await cluster.store(dram_mb=DRAM_MB)
     client = await cluster.client()
-    pool = meta_pool()
-    assert pool.tensor.is_meta and KVPool.bytes_per_block(MODEL, BLOCK, torch.bfloat16) == BLOCK_BYTES
+    pool = sized_store()
+    assert pool.block_footprint == BLOCK_BYTES and isinstance(pool.block_payload(0, True), SizeOnly)
     assert await client.put_block(21, SizeOnly(BLOCK_BYTES))
     load = PrefixLoad(pool, [2])
     assert load.block_sizes == [BLOCK_BYTES]
@@ -136,7 +136,7 @@ async def test_a_size_only_block_from_the_store_completes_a_prefix_load(cluster:
 
 
 def test_size_only_pieces_make_layers_ready_by_count() -> None:
-    load = PrefixLoad(meta_pool(), [0, 3])
+    load = PrefixLoad(sized_store(), [0, 3])
     assert load.write(0, SizeOnly(BLOCK_BYTES))
     assert load.num_ready_layers == 0  # block 1 has nothing yet
     assert load.write(1, SizeOnly(2 * LAYER_BYTES))
@@ -146,7 +146,7 @@ def test_size_only_pieces_make_layers_ready_by_count() -> None:
 
 
 def test_a_size_only_piece_larger_than_the_block_fails_the_load() -> None:
-    load = PrefixLoad(meta_pool(), [1])
+    load = PrefixLoad(sized_store(), [1])
     assert not load.write(0, SizeOnly(BLOCK_BYTES + LAYER_BYTES))
     assert load.error is not None and "more than" in load.error and not load.is_complete
     assert not load.write(0, SizeOnly(BLOCK_BYTES))  # a failed load takes no more writes

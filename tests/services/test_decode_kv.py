@@ -15,9 +15,11 @@ from services.decode.service import DecodeService
 from shared.config import load_settings
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.kv.paged.store import prompt_layer_of
+from shared.engine.kv.store import BlockFormat
 from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.wire.bus import Bus
-from shared.wire.kv_transfer.chunks import chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.prompt import chunk_prompt_layer, num_prompt_chunks
 from shared.wire.protocol import (
     Cancel,
     DecodeTask,
@@ -56,8 +58,8 @@ async def service(nats_url: str, checkpoint) -> AsyncIterator[DecodeService]:
 class Client:
     """Plays prefill (sends KV and tasks) and gateway (collects stream events)."""
 
-    def __init__(self, bus: Bus, checkpoint) -> None:  # noqa: ANN001
-        self.bus, self.cfg = bus, checkpoint.config
+    def __init__(self, bus: Bus, checkpoint, block_format: BlockFormat) -> None:  # noqa: ANN001
+        self.bus, self.cfg, self.block_format = bus, checkpoint.config, block_format
         self.events: dict[str, list[StreamEvent]] = {}
 
     async def listen(self, request_id: str) -> None:
@@ -67,12 +69,12 @@ class Client:
         await self.bus.client.subscribe(self.bus.subjects.stream(request_id), cb=on)
 
     def chunks(self, request_id: str) -> list[KvChunk]:
-        cfg = self.cfg
-        total = num_kv_chunks(cfg.num_layers, NUM_PROMPT, 2 * cfg.num_kv_heads * cfg.head_dim * 4, 4096)
+        cfg, fmt = self.cfg, self.block_format
+        total = num_prompt_chunks(cfg.num_layers, NUM_PROMPT, fmt, 4096)
         out: list[KvChunk] = []
         for layer in range(cfg.num_layers):
-            kv = torch.randn(2, cfg.num_kv_heads, NUM_PROMPT, cfg.head_dim) * 0.1
-            out += chunk_layer_kv(request_id, layer, kv, len(out), total, 4096)
+            kv = prompt_layer_of(torch.randn(2, cfg.num_kv_heads, NUM_PROMPT, cfg.head_dim) * 0.1, fmt.block_size)
+            out += chunk_prompt_layer(request_id, layer, kv.blocks, kv.tail, kv.num_tokens, fmt, len(out), total, 4096)
         return out
 
     async def send(
@@ -104,9 +106,9 @@ class Client:
 
 
 @pytest.fixture
-async def client(nats_url: str, checkpoint) -> AsyncIterator[Client]:
+async def client(nats_url: str, checkpoint, service: DecodeService) -> AsyncIterator[Client]:
     bus = await Bus.connect(nats_url, "client", Subjects(PREFIX))
-    yield Client(bus, checkpoint)
+    yield Client(bus, checkpoint, service.engine.block_format)
     await bus.drain()
 
 

@@ -20,9 +20,12 @@ from shared.config import load_settings
 from shared.engine.block_hash import block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.kv.paged.store import tensor_of
+from shared.engine.kv.store import PromptKv
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.kv_transfer.chunks import KvAssembly
+from shared.wire.kv_transfer.prompt import assemble_prompt
 from shared.wire.protocol import (
     Ack,
     BlockGet,
@@ -146,8 +149,10 @@ class World:
         assembly = KvAssembly(request_id, total)
         for chunk in chunks:
             assembly.add(chunk)
-        cfg = self.services[0].engine.model_config
-        return first, assembly.assemble(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        engine = self.services[0].engine
+        cfg, fmt = engine.model_config, engine.block_format
+        prompt = PromptKv(*assemble_prompt(assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, fmt))
+        return first, tensor_of(prompt, fmt, cfg.num_kv_heads, cfg.head_dim)
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.batching import ScheduledChunk
-from shared.engine.codec_attention import CodecAttention, CodecStepLayout
-from shared.engine.codec_pool import CodecKvPool, OutOfTails
+from shared.engine.kv.codec.attention import CodecAttention, CodecStepLayout
+from shared.engine.kv.codec.pool import CodecKvPool, OutOfTails
 from shared.engine.sequence import Sequence
 from shared.kvcompress import get_codec
 from shared.kvcompress.kvquant import KvQuantCodec

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from shared.config import load_settings
 from shared.engine.config import EngineConfig
-from shared.engine.fastgen.kv import DEFAULT_PROFILE_ROWS
+from shared.engine.kv.fastgen.kv import DEFAULT_PROFILE_ROWS
 from shared.env_vars import ENV_VARS, default_int
 from shared.fastgen.policies import FastGenSettings
 from shared.tools.cli.common import add_engine_args, engine_config_from_args

@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
-from shared.engine.codec_pool import CodecKvPool
-from shared.engine.fastgen.lane_store import CodedLaneStore
+from shared.engine.kv.codec.pool import CodecKvPool
+from shared.engine.kv.fastgen.lane_store import CodedLaneStore
 from shared.fastgen.lane_codec import LaneCodec
 from shared.model.llama import RotaryEmbedding, apply_rotary
 from tests.unit.test_codec_pool import BLOCK, DIM, KV_HEADS, kvquant_codec, tiny_config

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
-from shared.engine.fastgen.lane_store import RawLaneStore
-from shared.engine.fastgen.lanes import LaneSlots
-from shared.engine.fastgen.sparse_kv import SparseKv, append_lanes
+from shared.engine.kv.fastgen.lane_store import RawLaneStore
+from shared.engine.kv.fastgen.lanes import LaneSlots
+from shared.engine.kv.fastgen.sparse_kv import SparseKv, append_lanes
 from shared.fastgen.policies import FastGenSettings
 
 LAYERS, HEADS, BLOCKS, BLOCK_SIZE, DIM = 2, 3, 6, 4, 8

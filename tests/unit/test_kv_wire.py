@@ -1,5 +1,10 @@
-"""KV over the wire: chunks round-trip exactly, stay under the NATS payload, compress where it pays, and every corrupt,
-inconsistent, missing or stalled transfer is refused with a message that names the request and chunk."""
+"""KV over the wire: a raw store's prompt (its full blocks' bytes and the partial last block's tokens) round-trips
+exactly, in whole blocks, under the NATS payload, compressed where it pays; and every corrupt, inconsistent, missing
+or stalled transfer, or one in another KV format, is refused with a message that names the request and chunk.
+
+The synthetic KV is a tensor [num_layers, 2, kv_heads, num_tokens, head_dim]; `as_blocks` cuts one layer of it into
+the raw block form (each full block [2, kv_heads, block_size, head_dim] in C order, back to back, and the tail), the
+form `PagedKvStore` reads and writes, as `test_the_raw_block_form_is_the_paged_stores` holds it to."""
 
 from __future__ import annotations
 
@@ -13,12 +18,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.wire.kv_transfer.chunks import DTYPE_NAMES, KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
-from shared.wire.kv_transfer.receiver import KvReceiver
-from shared.wire.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, checksum, compress, decompress
+from kernels.backend import KernelBackend
+from shared.engine.blocks import BlockManager
+from shared.engine.kv.paged.pool import KVPool
+from shared.engine.kv.paged.store import PagedKvStore
+from shared.engine.kv.store import BlockFormat, PromptKv
+from shared.model.config import LlamaConfig
+from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError
+from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.kv_transfer.receiver import UNANNOUNCED_SHARE, KvReceiver
+from shared.wire.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, SizeOnly, checksum, compress, decompress
 from shared.wire.protocol import KvChunk, decode, encode
 
 DTYPES = list(DTYPE_NAMES.values())
+BLOCK = 16
+TOKENS = 100  # 6 full blocks and a tail of 4: six chunks a layer at one block a chunk
+ONE_BLOCK = 3000  # a max_chunk_bytes under any block here: one block a chunk
 
 
 def smooth_kv(num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int, seed: int = 0) -> torch.Tensor:
@@ -36,101 +51,226 @@ def smooth_kv(num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int
     return (x.transpose(3, 4) * scale).contiguous()
 
 
-def all_chunks(request_id: str, kv: torch.Tensor, max_chunk_bytes: int) -> list[KvChunk]:
-    """Every chunk of `kv` [layers, 2, heads, tokens, head_dim], streamed layer by layer as prefill does."""
+def noise(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bits of `dtype` (NaNs and all): nothing for LZ4 to find."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g).view(dtype).squeeze(-1)
+
+
+def raw_format(dtype: torch.dtype, kv_heads: int, head_dim: int, block_size: int = BLOCK) -> BlockFormat:
+    """A raw store's block form: one layer of one block is [2, kv_heads, block_size, head_dim] of `dtype`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return BlockFormat(WIRE_NAMES[dtype], block_size, 2 * kv_heads * block_size * head_dim * itemsize, 0, dtype)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes in C order (bit-exact, whatever the dtype)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def as_blocks(kv_layer: torch.Tensor, block_size: int = BLOCK) -> tuple[bytes, torch.Tensor]:
+    """One layer [2, heads, tokens, head_dim] in the raw block form: its full blocks' bytes, block after block, each
+    [2, heads, block_size, head_dim]; and its tail [2, heads, tokens % block_size, head_dim]."""
+    _, heads, num_tokens, head_dim = kv_layer.shape
+    cut = num_tokens // block_size * block_size
+    blocks = kv_layer[:, :, :cut].reshape(2, heads, -1, block_size, head_dim).permute(2, 0, 1, 3, 4)
+    # The default strides, as a store's tail has: a sliced tensor of head dim 1 is "contiguous" with a last stride > 1
+    return tensor_bytes(blocks), kv_layer[:, :, cut:].clone(memory_format=torch.contiguous_format)
+
+
+def from_blocks(layers: list[bytes], tail: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
+    """The inverse of `as_blocks` for every layer: [num_layers, 2, heads, tokens, head_dim]."""
+    _, _, heads, _, head_dim = tail.shape
+    out = []
+    for data, layer_tail in zip(layers, tail, strict=True):
+        full = layer_tail.new_zeros(2, heads, 0, head_dim)
+        if data:
+            values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tail.dtype)
+            blocks = values.view(-1, 2, heads, block_size, head_dim).permute(1, 2, 0, 3, 4)
+            full = blocks.reshape(2, heads, -1, head_dim)
+        out.append(torch.cat([full, layer_tail], dim=2))
+    return torch.stack(out)
+
+
+def all_chunks(request_id: str, kv: torch.Tensor, max_chunk_bytes: int, block_size: int = BLOCK,
+               compress_payload: bool = True) -> list[KvChunk]:
+    """Every chunk of `kv` [layers, 2, heads, tokens, head_dim] in a raw format, layer by layer as prefill sends."""
     num_layers, _, heads, num_tokens, head_dim = kv.shape
-    total = num_kv_chunks(num_layers, num_tokens, 2 * heads * head_dim * kv.element_size(), max_chunk_bytes)
+    fmt = raw_format(kv.dtype, heads, head_dim, block_size)
+    total = num_prompt_chunks(num_layers, num_tokens, fmt, max_chunk_bytes)
     chunks: list[KvChunk] = []
     for layer in range(num_layers):
-        chunks += chunk_layer_kv(request_id, layer, kv[layer], len(chunks), total, max_chunk_bytes)
+        blocks, tail = as_blocks(kv[layer], block_size)
+        chunks += chunk_prompt_layer(request_id, layer, blocks, tail, num_tokens, fmt, len(chunks), total,
+                                     max_chunk_bytes, compress_payload=compress_payload)
     return chunks
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, flat (bit-exact comparison, whatever the dtype)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assembled(chunks: list[KvChunk], kv: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def filled(chunks: list[KvChunk]) -> KvAssembly:
     assembly = KvAssembly(chunks[0].request_id, chunks[0].total)
     for chunk in chunks:
         assembly.add(chunk)
-    num_layers, _, heads, _, head_dim = kv.shape
-    return assembly.assemble(num_layers, heads, head_dim, dtype or kv.dtype)
+    return assembly
+
+
+def assembled(assembly: KvAssembly, kv: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
+    """The prompt of a complete assembly as a tensor like `kv`, checking the raw form it came in against `kv`'s."""
+    num_layers, _, heads, num_tokens, head_dim = kv.shape
+    layers, tail, got_tokens = assemble_prompt(assembly, num_layers, heads, head_dim,
+                                               raw_format(kv.dtype, heads, head_dim, block_size))
+    assert got_tokens == num_tokens and tail.dtype == kv.dtype
+    expected = [as_blocks(kv[layer], block_size) for layer in range(num_layers)]
+    assert layers == [blocks for blocks, _ in expected]
+    assert tensor_bytes(tail) == tensor_bytes(torch.stack([t for _, t in expected]))
+    assert all(isinstance(layer, bytes) for layer in layers)
+    return from_blocks(layers, tail, block_size)  # type: ignore[arg-type]
+
+
+def check_chunk_sizes(chunks: list[KvChunk], fmt: BlockFormat, num_tokens: int, max_chunk_bytes: int) -> None:
+    """Chunks hold whole blocks, as many as fit `max_chunk_bytes` (at least one); the tail rides with a layer's last."""
+    full = num_tokens // fmt.block_size
+    for chunk in chunks:
+        assert chunk.token_start % fmt.block_size == 0
+        num_blocks = min(chunk.token_end, full * fmt.block_size) // fmt.block_size - chunk.token_start // fmt.block_size
+        assert fmt.blocks_bytes(num_blocks) <= max(max_chunk_bytes, fmt.block_bytes)
+        assert chunk.token_end % fmt.block_size == 0 or chunk.token_end == num_tokens
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPE_NAMES))
 def test_round_trip_in_any_order_is_exact(dtype: torch.dtype) -> None:
-    kv = smooth_kv(4, 3, 37, 64).to(dtype)
-    kv[0] = (torch.arange(kv[0].numel()) % 5).view(kv[0].shape) - 1.5  # surely compresses, unlike the others
-    kv[1] = torch.randn(kv[1].shape).to(dtype)
-    chunks = all_chunks("r1", kv, max_chunk_bytes=3000)
-    assert len(chunks) == num_kv_chunks(4, 37, 2 * 3 * 64 * kv.element_size(), 3000) > 4
+    kv = smooth_kv(4, 3, TOKENS, 64).to(dtype)
+    kv[0] = (torch.arange(kv[0].numel()) % 5).view(kv[0].shape) - 1.5  # surely compresses, unlike the next
+    kv[1] = noise(tuple(kv[1].shape), dtype)
+    fmt = raw_format(dtype, 3, 64)
+    chunks = all_chunks("r1", kv, max_chunk_bytes=2 * fmt.block_bytes)
+    per_layer = math.ceil((TOKENS // BLOCK) / 2)  # two blocks a chunk, the tail with the last
+    assert len(chunks) == num_prompt_chunks(4, TOKENS, fmt, 2 * fmt.block_bytes) == 4 * per_layer
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert {c.codec for c in chunks} == {CODEC_RAW, CODEC_LZ4_SHUFFLE}
-    assert all(c.raw_size <= 3000 for c in chunks)
+    assert all(c.kv_format == WIRE_NAMES[dtype] == c.dtype for c in chunks)
+    check_chunk_sizes(chunks, fmt, TOKENS, 2 * fmt.block_bytes)
     random.Random(1).shuffle(chunks)
     chunks = [decode(encode(c), KvChunk) for c in chunks]
-    out = assembled(chunks, kv)
+    out = assembled(filled(chunks), kv)
     assert out.dtype == dtype and out.shape == kv.shape
-    assert torch.equal(as_bytes(out), as_bytes(kv))  # bit-exact, -0.0 and all
+    assert tensor_bytes(out) == tensor_bytes(kv)  # bit-exact, -0.0 and NaNs all
 
 
-def test_assemble_converts_to_the_pool_dtype() -> None:
+def test_another_kv_format_is_refused() -> None:
+    """The engines must agree on the format: fp32 KV is not converted into a bf16 engine's, it is refused."""
     kv = smooth_kv(2, 3, 20, 16)
-    out = assembled(all_chunks("r1", kv, 1000), kv, torch.bfloat16)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, kv.to(torch.bfloat16))
+    assembly = filled(all_chunks("r1", kv, 1000))
+    with pytest.raises(KvTransferError, match="request r1: prefill sent KV as fp32, this engine keeps bf16"):
+        assemble_prompt(assembly, 2, 3, 16, raw_format(torch.bfloat16, 3, 16))
+    assert tensor_bytes(assembled(assembly, kv)) == tensor_bytes(kv)  # the refusal leaves the assembly whole
+
+
+def test_another_block_size_is_refused() -> None:
+    """Blocks of 16 tokens read as blocks of 8 would have every size right and every value scrambled."""
+    kv = smooth_kv(2, 3, 40, 16)
+    assembly = filled(all_chunks("r1", kv, 1000, block_size=16))
+    with pytest.raises(KvTransferError, match=r"request r1: prefill sent blocks of \[16\] tokens, this engine pages 8"):
+        assemble_prompt(assembly, 2, 3, 16, raw_format(torch.float32, 3, 16, block_size=8))
+    assert tensor_bytes(assembled(assembly, kv, block_size=16)) == tensor_bytes(kv)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
     num_layers=st.integers(1, 3), heads=st.integers(1, 4), num_tokens=st.integers(0, 40), head_dim=st.integers(1, 16),
-    dtype=st.sampled_from(DTYPES), max_chunk_bytes=st.integers(1, 4000), seed=st.integers(0, 2**16),
+    block_size=st.integers(1, 16), dtype=st.sampled_from(DTYPES), max_chunk_bytes=st.integers(1, 4000),
+    seed=st.integers(0, 2**16),
 )
 def test_round_trip_property(
-    num_layers: int, heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype, max_chunk_bytes: int, seed: int
+    num_layers: int, heads: int, num_tokens: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    max_chunk_bytes: int, seed: int,
 ) -> None:
     kv = smooth_kv(num_layers, heads, num_tokens, head_dim, seed).to(dtype)
-    chunks = all_chunks("r1", kv, max_chunk_bytes)
-    bytes_per_token = 2 * heads * head_dim * kv.element_size()
-    assert len(chunks) == num_kv_chunks(num_layers, num_tokens, bytes_per_token, max_chunk_bytes)
-    assert all(c.raw_size <= max(max_chunk_bytes, bytes_per_token) for c in chunks)
+    fmt = raw_format(dtype, heads, head_dim, block_size)
+    chunks = all_chunks("r1", kv, max_chunk_bytes, block_size)
+    assert len(chunks) == num_prompt_chunks(num_layers, num_tokens, fmt, max_chunk_bytes)
+    check_chunk_sizes(chunks, fmt, num_tokens, max_chunk_bytes)
     if num_tokens == 0:
         assert chunks == []
         return
     random.Random(seed).shuffle(chunks)
-    assert torch.equal(as_bytes(assembled(chunks, kv)), as_bytes(kv))
+    assert tensor_bytes(assembled(filled(chunks), kv, block_size)) == tensor_bytes(kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPE_NAMES))
+def test_the_raw_block_form_is_the_paged_stores(dtype: torch.dtype) -> None:
+    """What a prefill store reads travels to a decode store's other blocks and lands there exactly."""
+    heads, head_dim, block_size, num_tokens = 2, 8, 4, 10
+    config = LlamaConfig(
+        vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=2, num_kv_heads=heads,
+        head_dim=head_dim, rope_theta=1e4, rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True,
+    )
+
+    def store() -> PagedKvStore:
+        pool = KVPool(config, num_blocks=6, block_size=block_size, dtype=dtype, device=torch.device("cpu"))
+        return PagedKvStore(pool, BlockManager(6, block_size), WIRE_NAMES[dtype], 0.5, KernelBackend.TORCH, 4)
+
+    prefill, decode_store = store(), store()
+    prefill.pool.tensor.copy_(noise(tuple(prefill.pool.tensor.shape), dtype, seed=1))
+    fmt = raw_format(dtype, heads, head_dim, block_size)
+    assert prefill.block_format == fmt
+    sent, received = [3, 0, 5], [1, 4, 2]  # block tables of 10 tokens: 2 full blocks and a tail of 2
+    kv = prefill.pool.tensor[:, :, :, sent].flatten(3, 4)[:, :, :, :num_tokens]  # [layers, 2, heads, 10, head_dim]
+    total = num_prompt_chunks(3, num_tokens, fmt, 1)
+    assembly, seq = KvAssembly("r1", total), 0
+    for layer in range(3):
+        read = prefill.read_prompt_layer("r1", sent, num_tokens, layer)
+        blocks, tail = as_blocks(kv[layer], block_size)
+        assert read.blocks == blocks and tensor_bytes(read.tail) == tensor_bytes(tail)
+        for chunk in chunk_prompt_layer("r1", layer, read.blocks, read.tail, num_tokens, fmt, seq, total, 1):
+            assembly.add(chunk)
+            seq += 1
+    decode_store.write_prompt("r1", received, PromptKv(*assemble_prompt(assembly, 3, heads, head_dim, fmt)), 0)
+    landed = decode_store.pool.tensor[:, :, :, received].flatten(3, 4)[:, :, :, :num_tokens]
+    assert tensor_bytes(landed) == tensor_bytes(kv)
 
 
 def test_messages_stay_well_under_the_nats_payload() -> None:
     max_chunk_bytes = 256 * 1024
-    noise = torch.randint(-(2**31), 2**31, (2, 3, 2048, 64), dtype=torch.int32).view(torch.float32)
-    for kv in (smooth_kv(1, 3, 2048, 64)[0], noise):
-        chunks = chunk_layer_kv("r1", 0, kv, 0, 100, max_chunk_bytes)
-        assert len(chunks) == num_kv_chunks(1, 2048, 2 * 3 * 64 * 4, max_chunk_bytes) == 13
-        assert max(len(encode(c)) for c in chunks) < max_chunk_bytes + 1024 < 1024 * 1024
-    one_token = chunk_layer_kv("r1", 0, torch.zeros(2, 3, 4, 64), 0, 4, 100)  # one token is 1536 bytes > 100
-    assert [(c.token_start, c.token_end) for c in one_token] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    fmt = raw_format(torch.float32, 3, 64)  # a block is 24 KiB: ten to a chunk
+    for num_tokens in (2048, 2047):
+        for kv in (smooth_kv(1, 3, num_tokens, 64), noise((1, 2, 3, num_tokens, 64), torch.float32)):
+            chunks = all_chunks("r1", kv, max_chunk_bytes)
+            assert len(chunks) == num_prompt_chunks(1, num_tokens, fmt, max_chunk_bytes) == math.ceil(2048 / 16 / 10)
+            check_chunk_sizes(chunks, fmt, num_tokens, max_chunk_bytes)
+            largest = max(len(encode(c)) for c in chunks)
+            assert largest < max_chunk_bytes + fmt.block_bytes + 1024 < 1024 * 1024  # blocks, a tail, the header
+    one_block = all_chunks("r1", torch.zeros(1, 2, 3, 67, 64), 100)  # one block is 24 KiB > 100 B
+    assert [(c.token_start, c.token_end) for c in one_block] == [(0, 16), (16, 32), (32, 48), (48, 67)]
+    assert len(one_block) == num_prompt_chunks(1, 67, fmt, 100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_shuffle_then_lz4_shrinks_real_looking_kv(dtype: torch.dtype) -> None:
     piece = smooth_kv(1, 3, 170, 64)[0].to(dtype)  # 256 KiB of fp32
-    raw = as_bytes(piece).numpy().tobytes()
+    raw = tensor_bytes(piece)
     codec, data = compress(raw, piece.element_size())
     assert codec == CODEC_LZ4_SHUFFLE
     assert len(data) < 0.95 * len(raw)
     assert len(lz4.frame.compress(raw)) > 0.97 * len(raw)  # without the shuffle LZ4 finds nothing
     assert decompress(codec, data, len(raw), piece.element_size()) == raw
+    kv = smooth_kv(2, 3, 170, 64).to(dtype)  # the same through the chunks, and with compression off
+    packed, plain = all_chunks("r1", kv, 64 * 1024), all_chunks("r1", kv, 64 * 1024, compress_payload=False)
+    assert [(c.seq, c.raw_size) for c in packed] == [(c.seq, c.raw_size) for c in plain]
+    assert sum(len(c.data) for c in packed) < 0.95 * sum(c.raw_size for c in packed)
+    assert all(c.codec == CODEC_RAW and len(c.data) == c.raw_size for c in plain)
+    assert tensor_bytes(assembled(filled(plain), kv)) == tensor_bytes(assembled(filled(packed), kv))
 
 
 def test_compress_falls_back_to_raw_when_it_does_not_pay() -> None:
-    noise = random.Random(0).randbytes(64 * 1024)
-    assert compress(noise, 4) == (CODEC_RAW, noise)
+    noise_bytes = random.Random(0).randbytes(64 * 1024)
+    assert compress(noise_bytes, 4) == (CODEC_RAW, noise_bytes)
     assert compress(b"", 2) == (CODEC_RAW, b"")
-    assert decompress(CODEC_RAW, noise, len(noise), 4) == noise
+    assert decompress(CODEC_RAW, noise_bytes, len(noise_bytes), 4) == noise_bytes
     with pytest.raises(ValueError, match="whole number"):
         compress(b"\x00" * 6, 4)
+    chunks = all_chunks("r1", noise((1, 2, 3, 40, 64), torch.float32), 1 << 20)
+    assert [c.codec for c in chunks] == [CODEC_RAW]
 
 
 def test_decompress_refuses_bad_payloads() -> None:
@@ -148,29 +288,43 @@ def test_decompress_refuses_bad_payloads() -> None:
 
 
 def test_chunking_refuses_what_it_cannot_describe() -> None:
-    with pytest.raises(ValueError, match="kv must be"):
-        chunk_layer_kv("r1", 0, torch.zeros(3, 2, 4, 8), 0, 1, 1024)
-    with pytest.raises(ValueError, match="wire name"):
-        chunk_layer_kv("r1", 0, torch.zeros(2, 2, 4, 8, dtype=torch.float64), 0, 1, 1024)
-    with pytest.raises(ValueError):
-        num_kv_chunks(2, 10, 0, 1024)
-    assert num_kv_chunks(30, 0, 1536, 1024) == 0
-    assert num_kv_chunks(30, 2048, 1536, 256 * 1024) == 30 * 13
+    fmt = raw_format(torch.float32, 2, 8, block_size=4)
+    blocks, tail = as_blocks(smooth_kv(1, 2, 10, 8)[0], 4)  # 2 full blocks and a tail of 2
+    assert len(chunk_prompt_layer("r1", 0, blocks, tail, 10, fmt, 0, 1, 1 << 20)) == 1
+    with pytest.raises(ValueError, match="do not hold 11 tokens of fp32"):
+        chunk_prompt_layer("r1", 0, blocks, tail, 11, fmt, 0, 1, 1 << 20)  # the tail is 2 tokens, not 3
+    with pytest.raises(ValueError, match="do not hold 10 tokens"):
+        chunk_prompt_layer("r1", 0, blocks[:-4], tail, 10, fmt, 0, 1, 1 << 20)
+    with pytest.raises(ValueError, match="do not hold 10 tokens"):
+        chunk_prompt_layer("r1", 0, blocks, tail, 10, raw_format(torch.float32, 3, 8, block_size=4), 0, 1, 1 << 20)
+    with pytest.raises(ValueError, match="sizes alone for fp32 blocks"):
+        chunk_prompt_layer("r1", 0, SizeOnly(len(blocks)), tail, 10, fmt, 0, 1, 1 << 20)
+    big = raw_format(torch.float32, 3, 64)
+    assert num_prompt_chunks(30, 0, big, 1024) == 0
+    assert num_prompt_chunks(30, 2048, big, 256 * 1024) == 30 * math.ceil(2048 / 16 / 10)
+    assert num_prompt_chunks(30, 15, big, 1) == 30  # a tail alone is one chunk
 
 
 @pytest.fixture
-def chunks() -> list[KvChunk]:
-    return all_chunks("r1", smooth_kv(3, 3, 37, 64), max_chunk_bytes=11_000)  # 3 layers x 6 chunks
+def kv() -> torch.Tensor:
+    return smooth_kv(3, 3, TOKENS, 64)
 
 
-def test_a_corrupted_byte_fails_the_checksum_naming_the_chunk(chunks: list[KvChunk]) -> None:
+@pytest.fixture
+def chunks(kv: torch.Tensor) -> list[KvChunk]:
+    chunks = all_chunks("r1", kv, max_chunk_bytes=ONE_BLOCK)
+    assert len(chunks) == 3 * (TOKENS // BLOCK) == 18  # 3 layers x 6 chunks, the tail with the last
+    return chunks
+
+
+def test_a_corrupted_byte_fails_the_checksum_naming_the_chunk(kv: torch.Tensor, chunks: list[KvChunk]) -> None:
     data = bytearray(chunks[3].data)
     data[len(data) // 2] ^= 0x01
     assembly = KvAssembly("r1", len(chunks))
     with pytest.raises(KvTransferError, match=r"request r1: chunk 3/18 failed its checksum"):
         assembly.add(dataclasses.replace(chunks[3], data=bytes(data)))
     garbage = b"not lz4 at all"  # a sender bug: the checksum matches, the payload does not decode
-    (lz4_chunk,) = chunk_layer_kv("r1", 0, torch.zeros(2, 3, 7, 64), 4, 18, 11_000)
+    lz4_chunk = all_chunks("r1", torch.zeros_like(kv), ONE_BLOCK)[4]
     assert lz4_chunk.codec == CODEC_LZ4_SHUFFLE
     with pytest.raises(KvTransferError, match=r"chunk 4/18: LZ4 payload does not decode"):
         assembly.add(dataclasses.replace(lz4_chunk, data=garbage, checksum=checksum(garbage)))
@@ -180,14 +334,16 @@ def test_a_corrupted_byte_fails_the_checksum_naming_the_chunk(chunks: list[KvChu
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"request_id": "r2"}, "belongs to request r2"),
+        ({"request_id": "r2"}, "chunk 2/18 belongs to request r2"),
         ({"total": 17}, "says 17 chunks, earlier ones said 18"),
         ({"seq": 18}, "seq out of range"),
         ({"seq": -1}, "seq out of range"),
         ({"dtype": "fp8"}, "unknown dtype"),
+        ({"kv_format": ""}, "names no KV format"),
         ({"layer_end": 0}, "empty or negative range"),
         ({"token_start": 5, "token_end": 5}, "empty or negative range"),
-        ({"raw_size": 1000}, "does not fit its layer and token ranges"),
+        ({"raw_size": 0}, "raw size 0"),
+        ({"raw_size": 1000}, "after decoding, expected 1000"),
     ],
 )
 def test_inconsistent_chunks_are_refused(chunks: list[KvChunk], change: dict[str, object], error: str) -> None:
@@ -195,17 +351,20 @@ def test_inconsistent_chunks_are_refused(chunks: list[KvChunk], change: dict[str
         KvAssembly("r1", 18).add(dataclasses.replace(chunks[2], **change))  # type: ignore[arg-type]
 
 
-def test_duplicates_identical_ignored_conflicting_refused(chunks: list[KvChunk]) -> None:
+def test_duplicates_identical_ignored_conflicting_refused(kv: torch.Tensor, chunks: list[KvChunk]) -> None:
     assembly = KvAssembly("r1", len(chunks))
     assembly.add(chunks[0])
-    wire_bytes = assembly.num_wire_bytes
+    wire_bytes, held_bytes = assembly.num_wire_bytes, assembly.num_held_bytes
     assembly.add(chunks[0])
-    assert (assembly.num_received, assembly.num_wire_bytes) == (1, wire_bytes)
+    assert (assembly.num_received, assembly.num_wire_bytes, assembly.num_held_bytes) == (1, wire_bytes, held_bytes)
     with pytest.raises(KvTransferError, match="chunk 0/18 arrived twice with different contents"):
         assembly.add(dataclasses.replace(chunks[1], seq=0))
-    bf16 = chunk_layer_kv("r1", 2, torch.zeros(2, 3, 37, 64, dtype=torch.bfloat16), 17, 18, 11_000)[0]
-    with pytest.raises(KvTransferError, match="is bf16, earlier chunks were fp32"):
+    bf16 = all_chunks("r1", kv.to(torch.bfloat16), ONE_BLOCK)[17]
+    with pytest.raises(KvTransferError, match="chunk 17/18 is bf16, earlier chunks were fp32"):
         assembly.add(bf16)
+    with pytest.raises(KvTransferError, match="is KV format 'kvquant-3:abc', earlier chunks were 'fp32'"):
+        assembly.add(dataclasses.replace(chunks[5], kv_format="kvquant-3:abc"))
+    assert assembly.num_received == 1
 
 
 def test_missing_chunks_make_assemble_fail(chunks: list[KvChunk]) -> None:
@@ -214,25 +373,32 @@ def test_missing_chunks_make_assemble_fail(chunks: list[KvChunk]) -> None:
         assembly.add(chunk)
     assert not assembly.is_complete and assembly.missing() == [5]
     with pytest.raises(KvTransferError, match=r"request r1: 1 of 18 chunks missing \(5\)"):
-        assembly.assemble(3, 3, 64, torch.float32)
+        assemble_prompt(assembly, 3, 3, 64, raw_format(torch.float32, 3, 64))
 
 
 def test_assemble_checks_layer_coverage_and_shape() -> None:
-    kv = smooth_kv(1, 2, 10, 8)[0]  # [2, 2, 10, 8]
-    twice = chunk_layer_kv("r1", 0, kv, 0, 2, 10_000) + chunk_layer_kv("r1", 0, kv, 1, 2, 10_000)
-    gap = chunk_layer_kv("r1", 0, kv, 0, 2, 10_000) + chunk_layer_kv("r1", 2, kv, 1, 2, 10_000)
-    cases = [
-        (twice, 1, 2, "layer 0 has an overlap at token 10"),
-        (gap, 3, 2, r"layer 1 covers tokens \[0, 0\), expected \[0, 10\)"),
-        (gap, 2, 2, "holds layer 2, the model has 2"),
-        (chunk_layer_kv("r1", 0, kv, 0, 1, 10_000), 1, 4, "not 4 kv heads x head dim 8 of fp32"),
+    kv = smooth_kv(3, 2, 10, 8)
+    fmt = raw_format(torch.float32, 2, 8)  # 10 tokens are a tail: one chunk a layer
+
+    def layer(index: int, seq: int, total: int) -> list[KvChunk]:
+        blocks, tail = as_blocks(kv[index])
+        return chunk_prompt_layer("r1", index, blocks, tail, 10, fmt, seq, total, 10_000)
+
+    twice = layer(0, 0, 2) + layer(0, 1, 2)
+    gap = layer(0, 0, 2) + layer(2, 1, 2)
+    small_blocks = all_chunks("r1", kv[:1], 1, block_size=4)  # [0, 4), [4, 10): whole blocks of 4, not of 16
+    forged = [dataclasses.replace(chunk, block_size=16) for chunk in small_blocks]  # saying 16 all the same
+    cases = [  # (chunks, the decode engine's layers, kv heads and format, the error)
+        (twice, 1, 2, fmt, "layer 0 has an overlap at token 10"),
+        (gap, 3, 2, fmt, r"layer 1 covers tokens \[0, 0\), expected \[0, 10\)"),
+        (gap, 2, 2, fmt, "chunk 1/2 holds layer 2, the model has 2"),
+        (layer(0, 0, 1), 1, 4, raw_format(torch.float32, 4, 8), r"chunk 0 holds 1280 bytes, .* \[0, 10\) .* 2560"),
+        (small_blocks, 1, 2, fmt, r"prefill sent blocks of \[4\] tokens, this engine pages 16"),
+        (forged, 1, 2, fmt, r"chunk 0 covers tokens \[0, 4\), not whole blocks"),
     ]
-    for pieces, num_layers, heads, error in cases:
-        assembly = KvAssembly("r1", len(pieces))
-        for chunk in pieces:
-            assembly.add(chunk)
+    for pieces, num_layers, heads, engine_fmt, error in cases:
         with pytest.raises(KvTransferError, match=error):
-            assembly.assemble(num_layers, heads, 8, torch.float32)
+            assemble_prompt(filled(pieces), num_layers, heads, 8, engine_fmt)
 
 
 class FakeClock:
@@ -243,11 +409,16 @@ class FakeClock:
         return self.now
 
 
+def two_layers() -> torch.Tensor:
+    return smooth_kv(2, 3, TOKENS, 64)  # 12 chunks at one block a chunk
+
+
 def test_receiver_expires_a_stalled_stream_while_another_completes() -> None:
     clock = FakeClock()
     receiver = KvReceiver(deadline_s=10.0, clock=clock)
-    kv = smooth_kv(2, 3, 37, 64)
-    stalled, healthy = all_chunks("r1", kv, 11_000), all_chunks("r2", kv, 11_000)
+    kv = two_layers()
+    stalled, healthy = all_chunks("r1", kv, ONE_BLOCK), all_chunks("r2", kv, ONE_BLOCK)
+    assert len(stalled) == 12
     for chunk in stalled[:7] + healthy:
         assert receiver.add(chunk) is None
     assert "r1" in receiver and len(receiver) == 2
@@ -265,22 +436,22 @@ def test_receiver_expires_a_stalled_stream_while_another_completes() -> None:
 
 def test_receiver_hands_over_a_complete_assembly() -> None:
     receiver = KvReceiver(deadline_s=10.0, clock=FakeClock())
-    kv = smooth_kv(2, 3, 37, 64)
-    chunks = all_chunks("r2", kv, 11_000)
+    kv = two_layers()
+    chunks = all_chunks("r2", kv, ONE_BLOCK)
     for chunk in chunks[:-1]:
         receiver.add(chunk)
     assert receiver.take_complete("r2") is None and "r2" in receiver
     receiver.add(chunks[-1])
     assembly = receiver.take_complete("r2")
     assert assembly is not None and "r2" not in receiver
-    assert torch.equal(assembly.assemble(2, 3, 64, torch.float32), kv)
+    assert tensor_bytes(assembled(assembly, kv)) == tensor_bytes(kv)
     assert receiver.take_complete("r2") is None and receiver.take_complete("r9") is None
 
 
 def test_receiver_returns_errors_and_ignores_the_failed_requests_late_chunks() -> None:
     clock = FakeClock()
     receiver = KvReceiver(deadline_s=10.0, clock=clock)
-    chunks = all_chunks("r1", smooth_kv(2, 3, 37, 64), 11_000)
+    chunks = all_chunks("r1", two_layers(), ONE_BLOCK)
     assert receiver.add(chunks[0]) is None
     error = receiver.add(dataclasses.replace(chunks[1], checksum=chunks[1].checksum ^ 1))
     assert isinstance(error, KvTransferError) and "chunk 1/12 failed its checksum" in str(error)
@@ -292,12 +463,14 @@ def test_receiver_returns_errors_and_ignores_the_failed_requests_late_chunks() -
     assert receiver.add(chunks[0]) is None and "r1" in receiver
     error = receiver.add(dataclasses.replace(chunks[0], request_id="r3", total=0))
     assert isinstance(error, KvTransferError) and "r3" not in receiver
+    error = receiver.add(dataclasses.replace(chunks[0], request_id="r4", kv_format=""))
+    assert isinstance(error, KvTransferError) and "names no KV format" in str(error) and "r4" not in receiver
 
 
 def test_discard_drops_a_stream_and_its_late_chunks() -> None:
     clock = FakeClock()
     receiver = KvReceiver(deadline_s=10.0, clock=clock)
-    chunks = all_chunks("r1", smooth_kv(2, 3, 37, 64), 11_000)
+    chunks = all_chunks("r1", two_layers(), ONE_BLOCK)
     receiver.add(chunks[0])
     receiver.discard("r1")
     receiver.discard("never-seen")
@@ -308,31 +481,33 @@ def test_discard_drops_a_stream_and_its_late_chunks() -> None:
 
 
 def test_kv_nobody_announced_gets_a_small_share_of_the_buffer() -> None:
-    kv = smooth_kv(2, 3, 37, 64)  # 113,664 bytes in 12 chunks
-    receiver = KvReceiver(deadline_s=10.0, max_bytes=16 * 40_000, clock=FakeClock())
+    kv = two_layers()
+    held = kv.numel() * kv.element_size()  # what a whole stream holds, decompressed
+    receiver = KvReceiver(deadline_s=10.0, max_bytes=UNANNOUNCED_SHARE * (held // 2), clock=FakeClock())
     receiver.expect("announced")
-    stranger = [receiver.add(chunk) for chunk in all_chunks("stranger", kv, 11_000)]
+    stranger = [receiver.add(chunk) for chunk in all_chunks("stranger", kv, ONE_BLOCK)]
     error = next(e for e in stranger if e is not None)
     assert "did not place here" in str(error) and "stranger" not in receiver
     assert receiver.num_unannounced_bytes == 0  # what it held is given back
-    assert all(receiver.add(chunk) is None for chunk in all_chunks("announced", kv, 11_000))
-    assert receiver.is_complete("announced") and receiver.num_held_bytes == kv.numel() * 4
-    late = all_chunks("late", kv, 11_000)  # chunks before their announcement (across a NATS cluster)
-    assert receiver.add(late[0]) is None and receiver.num_unannounced_bytes > 0
+    assert all(receiver.add(chunk) is None for chunk in all_chunks("announced", kv, ONE_BLOCK))
+    assert receiver.is_complete("announced") and receiver.num_held_bytes == held
+    late = all_chunks("late", kv, ONE_BLOCK)  # chunks before their announcement (across a NATS cluster)
+    assert receiver.add(late[0]) is None and receiver.num_unannounced_bytes == late[0].raw_size
     receiver.expect("late")
     assert receiver.num_unannounced_bytes == 0 and all(receiver.add(chunk) is None for chunk in late[1:])
 
 
 def test_the_buffer_is_shared_by_every_stream_and_freed_as_they_close() -> None:
-    kv = smooth_kv(2, 3, 37, 64)
-    receiver = KvReceiver(deadline_s=10.0, max_bytes=150_000, clock=FakeClock())
+    kv = two_layers()
+    held = kv.numel() * kv.element_size()
+    receiver = KvReceiver(deadline_s=10.0, max_bytes=held * 3 // 2, clock=FakeClock())
     for request_id in ("a", "b", "c"):
         receiver.expect(request_id)
-    assert all(receiver.add(chunk) is None for chunk in all_chunks("a", kv, 11_000))
-    errors = [receiver.add(chunk) for chunk in all_chunks("b", kv, 11_000)]
+    assert all(receiver.add(chunk) is None for chunk in all_chunks("a", kv, ONE_BLOCK))
+    errors = [receiver.add(chunk) for chunk in all_chunks("b", kv, ONE_BLOCK)]
     assert "KV buffer is full" in str(next(e for e in errors if e is not None)) and "b" not in receiver
     assert receiver.take_complete("a") is not None and receiver.num_held_bytes == 0
-    assert all(receiver.add(chunk) is None for chunk in all_chunks("c", kv, 11_000))
+    assert all(receiver.add(chunk) is None for chunk in all_chunks("c", kv, ONE_BLOCK))
     receiver.discard("c")
     assert receiver.num_held_bytes == receiver.num_unannounced_bytes == 0
 

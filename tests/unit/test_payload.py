@@ -1,5 +1,6 @@
-"""Size-only payloads (the sim engine's KV): they compress to nothing and back to their size, split and join as a size,
-and a meta KV tensor travels as one size-only chunk per layer that reassembles into a meta tensor of the right shape."""
+"""Size-only payloads (the sim engine's KV): they compress to nothing and back to their size, split and join as a size;
+and a store of sizes (`SizedKvStore`) sends a prompt as one size-only chunk per layer, which reassembles into sizes and
+a meta tail of the right shape, and keeps a block as the size of a real one."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import random
 import pytest
 import torch
 
-from shared.engine.kv_cache import KVPool
+from shared.engine.blocks import BlockManager
+from shared.engine.kv.paged.pool import KVPool
+from shared.engine.kv.sized import SizedKvStore
+from shared.engine.kv.store import BlockFormat, PromptKv
 from shared.model.config import LlamaConfig
-from shared.wire.kv_transfer.chunks import KvAssembly, KvTransferError, chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.chunks import KvAssembly, KvTransferError
+from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.payload import (
     CODEC_SIZE_ONLY,
     PayloadError,
@@ -24,21 +29,48 @@ from shared.wire.payload import (
 )
 from shared.wire.protocol import KvChunk, decode, encode
 
-LAYERS, HEADS, TOKENS, HEAD_DIM = 5, 4, 37, 16
+LAYERS, HEADS, TOKENS, HEAD_DIM, BLOCK = 5, 4, 37, 16, 8  # 37 tokens: 4 full blocks and a tail of 5
+CONFIG = LlamaConfig(
+    vocab_size=8, hidden_size=HEADS * HEAD_DIM, intermediate_size=8, num_layers=LAYERS, num_heads=HEADS,
+    num_kv_heads=HEADS, head_dim=HEAD_DIM, rope_theta=1e4, rms_norm_eps=1e-5, max_position=64,
+    tie_word_embeddings=True,
+)
+LAYER_BYTES = 2 * HEADS * TOKENS * HEAD_DIM * 2  # one layer of the prompt, raw bf16
 
 
-def meta_kv(num_tokens: int = TOKENS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """One layer's KV as the sim engine's pool gives it: [2, kv_heads, tokens, head_dim], no values."""
-    return torch.empty(2, HEADS, num_tokens, HEAD_DIM, dtype=dtype, device="meta")
+def sized_store() -> SizedKvStore:
+    return SizedKvStore(CONFIG, BlockManager(8, BLOCK, b"ns"), "bf16", max_num_seqs=4)
 
 
-def meta_chunks(request_id: str = "r1", num_layers: int = LAYERS) -> list[KvChunk]:
-    """Every chunk of a meta prompt KV, streamed layer by layer as prefill does."""
-    total = num_kv_chunks(num_layers, TOKENS, 2 * HEADS * HEAD_DIM * 2, 100, is_size_only=True)
+def raw_bf16() -> BlockFormat:
+    """The block form of a raw bf16 store of the same model (what the sim's sizes stand for)."""
+    return BlockFormat("bf16", BLOCK, 2 * HEADS * BLOCK * HEAD_DIM * 2, 0, torch.bfloat16)
+
+
+def meta_chunks(request_id: str = "r1", num_tokens: int = TOKENS) -> list[KvChunk]:
+    """Every chunk of a prompt in the sized store, streamed layer by layer as prefill does."""
+    store = sized_store()
+    fmt = store.block_format
+    total = num_prompt_chunks(LAYERS, num_tokens, fmt, 100)
     chunks: list[KvChunk] = []
-    for layer in range(num_layers):
-        chunks += chunk_layer_kv(request_id, layer, meta_kv(), len(chunks), total, max_chunk_bytes=100)
+    block_ids = list(range(num_tokens // BLOCK + 1))
+    for layer in range(LAYERS):
+        kv = store.read_prompt_layer(request_id, block_ids, num_tokens, layer)
+        chunks += chunk_prompt_layer(request_id, layer, kv.blocks, kv.tail, kv.num_tokens, fmt, len(chunks), total,
+                                     max_chunk_bytes=100)  # 100 B would split real KV
     return chunks
+
+
+def one_layer(layer: int = 0, first_seq: int = 0, total: int = 1) -> KvChunk:
+    (chunk,) = meta_chunks()[:1]
+    return dataclasses.replace(chunk, layer_start=layer, layer_end=layer + 1, seq=first_seq, total=total)
+
+
+def assembly_of(chunks: list[KvChunk]) -> KvAssembly:
+    assembly = KvAssembly(chunks[0].request_id, chunks[0].total)
+    for chunk in chunks:
+        assembly.add(chunk)
+    return assembly
 
 
 def test_size_only_compresses_to_nothing_and_decompresses_to_its_size() -> None:
@@ -68,83 +100,101 @@ def test_size_only_stays_whole_and_joins_as_a_size() -> None:
     assert join([SizeOnly(3), b"ab"]) == SizeOnly(5)  # any size-only part makes the whole a size
 
 
-def test_a_meta_layer_is_one_size_only_chunk_that_survives_the_wire() -> None:
-    kv = meta_kv()
-    (chunk,) = chunk_layer_kv("r1", 3, kv, first_seq=7, total=9, max_chunk_bytes=100)  # 100 B would split real KV
+def test_a_sized_layer_is_one_size_only_chunk_that_survives_the_wire() -> None:
+    store = sized_store()
+    kv = store.read_prompt_layer("r1", [0, 1, 2, 3, 4], TOKENS, 3)
+    assert isinstance(kv.blocks, SizeOnly) and kv.tail.is_meta and tuple(kv.tail.shape) == (2, HEADS, 5, HEAD_DIM)
+    (chunk,) = chunk_prompt_layer("r1", 3, kv.blocks, kv.tail, TOKENS, store.block_format, first_seq=7, total=9,
+                                  max_chunk_bytes=100)
     assert chunk.codec == CODEC_SIZE_ONLY and chunk.data == b"" and chunk.checksum == checksum(b"")
-    assert chunk.raw_size == kv.numel() * kv.element_size() == 2 * HEADS * TOKENS * HEAD_DIM * 2
+    assert chunk.raw_size == LAYER_BYTES  # as big as the raw bf16 layer it stands for
     assert (chunk.seq, chunk.total, chunk.layer_start, chunk.layer_end) == (7, 9, 3, 4)
-    assert (chunk.token_start, chunk.token_end, chunk.dtype) == (0, TOKENS, "bf16")
+    assert (chunk.token_start, chunk.token_end, chunk.dtype, chunk.kv_format) == (0, TOKENS, "bf16", "bf16")
     assert decode(encode(chunk), KvChunk) == chunk
 
 
 def test_size_only_chunk_count_is_one_per_layer() -> None:
-    per_token = 2 * HEADS * HEAD_DIM * 2
-    assert num_kv_chunks(LAYERS, TOKENS, per_token, 100, is_size_only=True) == LAYERS
-    assert num_kv_chunks(LAYERS, TOKENS, per_token, 100) > LAYERS  # the same KV with values would be split
-    assert num_kv_chunks(LAYERS, 0, per_token, 100, is_size_only=True) == 0
+    fmt = sized_store().block_format
+    assert num_prompt_chunks(LAYERS, TOKENS, fmt, 100) == LAYERS
+    assert num_prompt_chunks(LAYERS, TOKENS, raw_bf16(), 100) > LAYERS  # the same KV with values would be split
+    assert num_prompt_chunks(LAYERS, 0, fmt, 100) == 0
     assert len(meta_chunks()) == LAYERS
 
 
-def test_an_empty_meta_layer_makes_no_chunk_as_num_kv_chunks_counts() -> None:
-    assert chunk_layer_kv("r1", 0, meta_kv(num_tokens=0), 0, 1, 100) == []
+def test_an_empty_sized_layer_makes_no_chunk_as_num_prompt_chunks_counts() -> None:
+    store = sized_store()
+    kv = store.read_prompt_layer("r1", [], 0, 0)
+    assert chunk_prompt_layer("r1", 0, kv.blocks, kv.tail, 0, store.block_format, 0, 1, 100) == []
+    assert meta_chunks(num_tokens=0) == []
 
 
-def test_size_only_chunks_assemble_into_a_meta_tensor_in_any_order() -> None:
-    chunks = [decode(encode(c), KvChunk) for c in meta_chunks()]
+@pytest.mark.parametrize("num_tokens", [TOKENS, 4 * BLOCK, 3])
+def test_size_only_chunks_assemble_into_sizes_and_a_meta_tail_in_any_order(num_tokens: int) -> None:
+    chunks = [decode(encode(c), KvChunk) for c in meta_chunks(num_tokens=num_tokens)]
     random.Random(0).shuffle(chunks)
     assembly = KvAssembly("r1", LAYERS)
     for chunk in chunks:
         assembly.add(chunk)
         assembly.add(chunk)  # an identical duplicate is ignored
-    assert assembly.is_complete and assembly.num_wire_bytes == 0 and assembly.wire_dtype == "bf16"
-    out = assembly.assemble(LAYERS, HEADS, HEAD_DIM, torch.bfloat16)
-    assert out.is_meta and out.dtype == torch.bfloat16
-    assert tuple(out.shape) == (LAYERS, 2, HEADS, TOKENS, HEAD_DIM)
-    converted = assembly.assemble(LAYERS, HEADS, HEAD_DIM, torch.float32)
-    assert converted.is_meta and converted.dtype == torch.float32
+    assert assembly.is_complete and assembly.num_wire_bytes == assembly.num_held_bytes == 0
+    assert assembly.wire_dtype == assembly.kv_format == "bf16"
+    store = sized_store()
+    layers, tail, got_tokens = assemble_prompt(assembly, LAYERS, HEADS, HEAD_DIM, store.block_format)
+    full, rest = divmod(num_tokens, BLOCK)
+    assert got_tokens == num_tokens
+    assert layers == [SizeOnly(full * raw_bf16().block_bytes)] * LAYERS
+    assert tail.is_meta and tail.dtype == torch.bfloat16 and tuple(tail.shape) == (LAYERS, 2, HEADS, rest, HEAD_DIM)
+    store.write_prompt("r1", list(range(full + 1)), PromptKv(layers, tail, got_tokens), 0)  # the store takes it
 
 
 def test_a_size_only_chunk_mixed_with_real_ones_is_refused() -> None:
-    (size_only,) = chunk_layer_kv("r1", 0, meta_kv(), 0, 2, max_chunk_bytes=1 << 20)
-    (real,) = chunk_layer_kv("r1", 1, torch.randn(2, HEADS, TOKENS, HEAD_DIM).to(torch.bfloat16), 1, 2, 1 << 20)
-    assert real.codec != CODEC_SIZE_ONLY
-    assembly = KvAssembly("r1", 2)
-    assembly.add(size_only)
-    assembly.add(real)
-    with pytest.raises(KvTransferError, match="1 of 2 chunks are size-only"):
-        assembly.assemble(2, HEADS, HEAD_DIM, torch.bfloat16)
+    size_only = one_layer(0, 0, 2)
+    real_kv = torch.randn(2, HEADS, TOKENS, HEAD_DIM).to(torch.bfloat16)
+    full = TOKENS // BLOCK * BLOCK
+    blocks = real_kv[:, :, :full].reshape(2, HEADS, -1, BLOCK, HEAD_DIM).permute(2, 0, 1, 3, 4).contiguous()
+    blocks_bytes = blocks.reshape(-1).view(torch.uint8).numpy().tobytes()
+    (real,) = chunk_prompt_layer("r1", 1, blocks_bytes, real_kv[:, :, full:], TOKENS, raw_bf16(), 1, 2, 1 << 20)
+    assert real.codec != CODEC_SIZE_ONLY and real.raw_size == size_only.raw_size
+    assembly = assembly_of([size_only, real])
+    with pytest.raises(KvTransferError, match="chunk 0 is size-only, this engine's KV carries bytes"):
+        assemble_prompt(assembly, 2, HEADS, HEAD_DIM, raw_bf16())  # a decode engine with values
+    with pytest.raises(KvTransferError, match="chunk 1 is not the size-only layer"):
+        assemble_prompt(assembly, 2, HEADS, HEAD_DIM, sized_store().block_format)  # the sim's decode engine
+    with pytest.raises(ValueError, match="sizes alone for bf16 blocks"):
+        chunk_prompt_layer("r1", 0, SizeOnly(len(blocks_bytes)), real_kv[:, :, full:], TOKENS, raw_bf16(), 0, 1, 100)
 
 
 def test_a_size_only_chunk_whose_size_does_not_fit_is_refused() -> None:
-    (chunk,) = chunk_layer_kv("r1", 0, meta_kv(), 0, 1, max_chunk_bytes=100)
-    with pytest.raises(KvTransferError, match="does not fit its layer and token ranges"):
-        KvAssembly("r1", 1).add(dataclasses.replace(chunk, raw_size=chunk.raw_size + 2))
-    with pytest.raises(KvTransferError, match="does not fit"):
+    chunk = one_layer()
+    fmt = sized_store().block_format
+    with pytest.raises(KvTransferError, match=f"chunk 0 is not the size-only layer of {LAYER_BYTES} bytes"):
+        assemble_prompt(assembly_of([dataclasses.replace(chunk, raw_size=chunk.raw_size + 2)]), 1, HEADS, HEAD_DIM,
+                        fmt)
+    with pytest.raises(KvTransferError, match="raw size 0"):
         KvAssembly("r1", 1).add(dataclasses.replace(chunk, raw_size=0))
-    # A whole number of tokens, but of twice the kv heads: the ranges allow it, the model's shape does not.
-    doubled = KvAssembly("r1", 1)
-    doubled.add(dataclasses.replace(chunk, raw_size=2 * chunk.raw_size))
-    with pytest.raises(KvTransferError, match=f"not {HEADS} kv heads"):
-        doubled.assemble(1, HEADS, HEAD_DIM, torch.bfloat16)
+    with pytest.raises(KvTransferError, match="whole number of 2-byte elements"):
+        KvAssembly("r1", 1).add(dataclasses.replace(chunk, raw_size=chunk.raw_size + 1))
+    # A layer of twice the kv heads: the chunk is sane, the model's shape does not fit it.
+    doubled = assembly_of([dataclasses.replace(chunk, raw_size=2 * chunk.raw_size)])
+    with pytest.raises(KvTransferError, match="not the size-only layer"):
+        assemble_prompt(doubled, 1, HEADS, HEAD_DIM, fmt)
+    assert assemble_prompt(assembly_of([chunk]), 1, HEADS, HEAD_DIM, fmt)[2] == TOKENS
+    with pytest.raises(KvTransferError, match="prefill sent KV as bf16, this engine keeps fp16"):
+        assemble_prompt(assembly_of([chunk]), 1, HEADS, HEAD_DIM, dataclasses.replace(fmt, kv_format="fp16"))
 
 
 def test_a_size_only_chunk_carrying_data_is_refused() -> None:
-    (chunk,) = chunk_layer_kv("r1", 0, meta_kv(), 0, 1, max_chunk_bytes=100)
+    chunk = one_layer()
     smuggled = dataclasses.replace(chunk, data=b"xy", checksum=checksum(b"xy"))
     with pytest.raises(KvTransferError, match="size-only payload carries 2 bytes"):
         KvAssembly("r1", 1).add(smuggled)
 
 
-def test_a_meta_block_is_stored_as_its_size() -> None:
-    config = LlamaConfig(
-        vocab_size=8, hidden_size=HEADS * HEAD_DIM, intermediate_size=8, num_layers=LAYERS, num_heads=HEADS,
-        num_kv_heads=HEADS, head_dim=HEAD_DIM, rope_theta=1e4, rms_norm_eps=1e-5, max_position=64,
-        tie_word_embeddings=True,
-    )
-    meta = KVPool(config, 3, 8, torch.bfloat16, torch.device("meta"))
-    assert meta.block_payload(1, False) == SizeOnly(LAYERS * 2 * HEADS * 8 * HEAD_DIM * 2)
-    real = KVPool(config, 3, 8, torch.bfloat16, torch.device("cpu"))
+def test_a_sized_block_is_stored_as_the_size_of_a_real_one() -> None:
+    sized = sized_store()
+    assert sized.block_payload(1, False) == SizeOnly(LAYERS * 2 * HEADS * BLOCK * HEAD_DIM * 2)
+    assert sized.payload_layer_bytes(False) == raw_bf16().block_bytes
+    real = KVPool(CONFIG, 3, BLOCK, torch.bfloat16, torch.device("cpu"))
     real.tensor.fill_(1.0)
     data = real.block_payload(1, False)
-    assert isinstance(data, bytes) and len(data) == LAYERS * 2 * HEADS * 8 * HEAD_DIM * 2
+    assert isinstance(data, bytes) and len(data) == len(sized.block_payload(1, False))

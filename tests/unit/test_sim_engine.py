@@ -1,5 +1,5 @@
 """The sim engine: the real LLMEngine over a runner that sleeps the profile's predicted step time (on a fake clock here)
-and samples one fixed word; its KV pool is a meta tensor whose prompt KV, blocks and prefix loads travel as sizes."""
+and samples one fixed word; its KV store holds sizes alone: its prompt KV, blocks and prefix loads travel as sizes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import shared.sim.engine as sim_engine
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, PrefilledRequest, RequestOutput
-from shared.engine.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
+from shared.engine.kv.store import PromptKv, PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
 from shared.model.checkpoint import Checkpoint
 from shared.model.config import LlamaConfig
@@ -26,7 +27,8 @@ from shared.sim.engine import (
 )
 from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import GpuSpec, SimProfile, get_profile
-from shared.wire.kv_transfer.chunks import KvAssembly, chunk_layer_kv, num_kv_chunks
+from shared.wire.kv_transfer.chunks import KvAssembly
+from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.payload import SizeOnly
 from shared.wire.protocol import KvChunk, SamplingParams, decode, encode
 
@@ -163,15 +165,14 @@ def test_a_repeated_prefix_comes_from_the_prefix_cache(clock: FakeTime, checkpoi
     assert runner.last_step_s == step_time(PROFILE, prefill_work(30, 1024, completes=True)).total
 
 
-def test_the_pool_is_meta_and_prompt_kv_is_read_layer_by_layer(clock: FakeTime, checkpoint: Checkpoint) -> None:
+def test_the_store_holds_sizes_and_prompt_kv_is_read_layer_by_layer(clock: FakeTime, checkpoint: Checkpoint) -> None:
     engine = make_engine(checkpoint)
-    pool = runner_of(engine).pool
-    assert pool.tensor.is_meta and pool.tensor.dtype == torch.bfloat16
+    store = engine.store
     num_blocks = PROFILE.kv_capacity_tokens // BLOCK
-    assert tuple(pool.tensor.shape) == (80, 2, 8, num_blocks, BLOCK, 128)
-    assert engine.block_manager.num_blocks == num_blocks
+    assert store.block_footprint == 80 * 2 * 8 * BLOCK * 128 * 2  # bf16 K and V of the simulated model
+    assert engine.block_manager.num_blocks == store.num_blocks == num_blocks
     engine.add_request("r1", prompt(700), SamplingParams(max_tokens=4))
-    seen: list[tuple[int, list[str], torch.Tensor]] = []
+    seen: list[tuple[int, list[str], PromptLayerKv]] = []
 
     def on_layer(layer_idx: int, seqs: list[Sequence]) -> None:
         seen.append((layer_idx, [s.request_id for s in seqs], engine.read_prompt_kv("r1", layer_idx)))
@@ -179,8 +180,10 @@ def test_the_pool_is_meta_and_prompt_kv_is_read_layer_by_layer(clock: FakeTime, 
     engine.step(on_layer)
     assert [layer for layer, _, _ in seen] == list(range(CFG.num_layers))
     assert all(ids == ["r1"] for _, ids, _ in seen)
+    full, rest = divmod(700, BLOCK)
     for _, _, kv in seen:
-        assert kv.is_meta and kv.dtype == torch.bfloat16 and tuple(kv.shape) == (2, 8, 700, 128)
+        assert kv.blocks == SizeOnly(full * 2 * 8 * BLOCK * 128 * 2) and kv.num_tokens == 700
+        assert kv.tail.is_meta and kv.tail.dtype == torch.bfloat16 and tuple(kv.tail.shape) == (2, 8, rest, 128)
     per_layer = runner_of(engine).last_step_s / CFG.num_layers
     assert clock.sleeps[-CFG.num_layers:] == pytest.approx([per_layer] * CFG.num_layers)  # paced layer by layer
     engine.step(on_layer)  # a decode step streams nothing
@@ -214,20 +217,23 @@ def test_prompt_kv_travels_as_sizes_from_a_prefill_engine_to_a_decode_engine(
     prefill, decode_engine = make_engine(checkpoint), make_engine(checkpoint)
     ids = prompt(600)
     prefill.add_request("r1", ids, SamplingParams(max_tokens=3))
-    total = num_kv_chunks(CFG.num_layers, len(ids), 2 * 8 * 128 * 2, 1 << 20, is_size_only=True)
+    fmt = prefill.block_format
+    total = num_prompt_chunks(CFG.num_layers, len(ids), fmt, 1 << 20)
     chunks: list[KvChunk] = []
 
     def on_layer(layer_idx: int, seqs: list[Sequence]) -> None:
         kv = prefill.read_prompt_kv("r1", layer_idx)
-        chunks.extend(chunk_layer_kv("r1", layer_idx, kv, len(chunks), total, max_chunk_bytes=1 << 20))
+        chunks.extend(chunk_prompt_layer("r1", layer_idx, kv.blocks, kv.tail, kv.num_tokens, fmt, len(chunks), total,
+                                         max_chunk_bytes=1 << 20))
 
     (first,) = prefill.step(on_layer)
     assert total == len(chunks) == CFG.num_layers and all(c.data == b"" for c in chunks)
     assembly = KvAssembly("r1", total)
     for chunk in chunks:
         assembly.add(decode(encode(chunk), KvChunk))
-    kv = assembly.assemble(CFG.num_layers, 8, 128, torch.bfloat16)
-    assert kv.is_meta and tuple(kv.shape) == (80, 2, 8, 600, 128)
+    kv = PromptKv(*assemble_prompt(assembly, CFG.num_layers, 8, 128, decode_engine.block_format))
+    assert kv.tail.is_meta and tuple(kv.tail.shape) == (80, 2, 8, 600 % BLOCK, 128) and kv.num_tokens == 600
+    assert kv.layers == [SizeOnly(600 // BLOCK * 2 * 8 * BLOCK * 128 * 2)] * 80
     decode_engine.add_prefilled(PrefilledRequest(
         "r1", ids, first.new_token_ids[0], len(first.new_text), SamplingParams(max_tokens=3), kv))
     outputs: list[RequestOutput] = []
@@ -240,9 +246,11 @@ def test_prompt_kv_travels_as_sizes_from_a_prefill_engine_to_a_decode_engine(
 
 def test_prefilled_kv_of_the_wrong_shape_is_refused(checkpoint: Checkpoint) -> None:
     engine = make_engine(checkpoint)
-    kv = torch.empty(80, 2, 8, 599, 128, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(ValueError, match="prompt KV has shape"):
-        engine.add_prefilled(PrefilledRequest("r1", prompt(600), 895, 0, SamplingParams(), kv))
+    fmt, full = engine.block_format, 600 // BLOCK
+    tail = torch.empty(80, 2, 8, 600 % BLOCK, 128, dtype=torch.bfloat16, device="meta")
+    short = PromptKv([SizeOnly(fmt.blocks_bytes(full) - 1)] * 80, tail, 600)
+    with pytest.raises(ValueError, match="does not hold 600 tokens"):
+        engine.add_prefilled(PrefilledRequest("r1", prompt(600), 895, 0, SamplingParams(), short))
 
 
 def test_blocks_export_as_sizes_and_load_back_as_a_prefix(clock: FakeTime, checkpoint: Checkpoint) -> None:
@@ -250,14 +258,13 @@ def test_blocks_export_as_sizes_and_load_back_as_a_prefix(clock: FakeTime, check
     ids = prompt(2 * BLOCK + 76)
     source.add_request("r0", ids, SamplingParams(max_tokens=2))
     source.step()
-    assert tuple(source.export_blocks("r0", 0, 2).shape) == (80, 2, 8, 2, BLOCK, 128)
     block_bytes = source.export_block_payloads("r0", 0, 2)
     assert block_bytes == [SizeOnly(PROFILE.kv_bytes_per_token * BLOCK)] * 2
     loads: list[PrefixLoad] = []
 
     def start(first_block: int, block_ids: list[int]) -> PrefixLoad:
         assert first_block == 0 and len(block_ids) == 2
-        load = PrefixLoad(runner_of(engine).pool, block_ids)
+        load = PrefixLoad(engine.store, block_ids)
         for i, data in enumerate(block_bytes):
             assert load.write(i, data)
         loads.append(load)

@@ -144,10 +144,10 @@ class FastGenProfilePart(Message):
 class KvChunk(Message):
     """One piece of a request's prompt KV (prefill -> decode on `decode.<id>.kv`).
 
-    `data` holds layers [layer_start, layer_end) x K/V x kv heads x tokens [token_start, token_end) x head dim
-    in `dtype`, compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes. With `kv_format` set (an
-    engine's KV codec, see `shared.wire.kv_transfer.packed`) it holds one layer's whole blocks as that codec's
-    bytes, then the partial last block's tokens in `dtype`.
+    `data` holds one layer's whole blocks in the engines' KV format (`kv_format`: raw tensors of a dtype, or a
+    codec's bytes), tokens [token_start, token_end), then, in the last chunk of a layer, the partial last block's
+    tokens in `dtype`; compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes. See
+    `shared.wire.kv_transfer.prompt`.
     """
 
     request_id: str
@@ -162,7 +162,8 @@ class KvChunk(Message):
     raw_size: int
     checksum: int
     data: bytes
-    kv_format: str = ""  # "" for raw tensors; else the engines' KV format (EngineConfig.kv_format)
+    kv_format: str = ""  # the engines' KV format (EngineConfig.kv_format); chunks without one are refused
+    block_size: int = 0  # tokens per block of the sending engine (the receiving one must page alike)
 
 
 # ---- streaming back to the gateway ----------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.blocks import BlockManager, OutOfBlocks
-from shared.engine.fastgen.lane_store import LaneStore
-from shared.engine.fastgen.lanes import LaneSlots
-from shared.engine.fastgen.sparse_kv import SparseKv, append_lanes, attend_lanes, evict_lanes
+from shared.engine.kv.fastgen.lane_store import LaneStore
+from shared.engine.kv.fastgen.lanes import LaneSlots
+from shared.engine.kv.fastgen.sparse_kv import SparseKv, append_lanes, attend_lanes, evict_lanes
 from shared.env_vars import default_int
 from shared.fastgen.kept import kept_entries
 from shared.fastgen.policies import FastGenSettings
@@ -57,11 +57,13 @@ class FastGenKv:
         store: how the engine's pool holds lane entries (`lane_store`).
         num_layers, num_kv_heads: the model's.
         scale: the attention scale.
+        hands_off: profile prompts but keep them in blocks, for `take_profile` (a prefill instance's engine hands
+            each prompt's profile to decode with its KV).
     """
 
     def __init__(
         self, settings: FastGenSettings, classes: TokenClasses, block_manager: BlockManager, store: LaneStore,
-        num_layers: int, num_kv_heads: int, scale: float,
+        num_layers: int, num_kv_heads: int, scale: float, hands_off: bool = False,
     ) -> None:
         self.settings, self.classes, self.store, self.scale = settings, classes, store, scale
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
@@ -69,7 +71,7 @@ class FastGenKv:
         self.sequences: dict[str, SparseKv] = {}
         self.pending: dict[str, _Pending] = {}
         self.declined: set[str] = set()  # profiled but no room for lanes: they stay in blocks
-        self.moves_to_lanes = True  # off on a prefill instance: it hands the profiles to decode instead
+        self.hands_off = hands_off
         self.profiles: dict[str, PromptProfile] = {}  # profiled, waiting for `take_profile`
         self.entry_bytes = store.entry_bytes  # K and V of one token of one KV head, as the pool holds them
 
@@ -134,21 +136,21 @@ class FastGenKv:
 
     def move_profiled(self, running: Mapping[str, Sequence], restarted: set[str]) -> None:
         """After a step: each prompt profiled in it moves to lanes and its blocks are freed (they stay in the prefix
-        cache), or with `moves_to_lanes` off waits for `take_profile`; one that finished, or whose step was void
+        cache), or with `hands_off` waits for `take_profile`; one that finished, or whose step was void
         (`restarted`), is dropped."""
         block_manager = self.lanes.block_manager
         for request_id in list(self.pending):
             seq = running.get(request_id)
             if seq is None or request_id in restarted:
                 self.release(request_id)
-            elif not self.moves_to_lanes:
+            elif self.hands_off:
                 pending = self.pending.pop(request_id)
                 self.profiles[request_id] = PromptProfile(torch.stack(pending.policies), torch.stack(pending.scores))
             elif self.convert(request_id, block_manager.block_ids(request_id), seq.num_computed_tokens):
                 block_manager.free(request_id)
 
     def take_profile(self, request_id: str) -> PromptProfile | None:
-        """The profile of a prompt this engine computed but does not decode (`moves_to_lanes` off), once."""
+        """The profile of a prompt this engine computed but does not decode (`hands_off`), once."""
         return self.profiles.pop(request_id, None)
 
     def adopt(self, request_id: str, token_ids: list[int], profile: PromptProfile, block_ids: list[int]) -> bool:

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.batching import ScheduledChunk
-from shared.engine.codec_attention import CodecAttention
-from shared.engine.fastgen.kv import FastGenKv
-from shared.engine.kv_cache import PagedAttention
+from shared.engine.kv.fastgen.kv import FastGenKv
+from shared.model.llama import AttentionContext
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,7 @@ class FastGenAttention:
     """The model's `AttentionContext` for a step with lane rows [0, S) and paged rows after them.
 
     Args:
-        paged: the paged context of the paged rows (its metadata counts rows from the first paged one): a raw or a
-            codec pool's.
+        paged: the inner store's context of the paged rows (its rows count from the first paged one).
         fastgen: the engine's lanes (their store reads a profiled prompt's keys from the paged pool).
         lane_chunks: one decode token each, in row order.
         paged_chunks: the others, in row order.
@@ -48,7 +46,7 @@ class FastGenAttention:
     """
 
     def __init__(
-        self, paged: PagedAttention | CodecAttention, fastgen: FastGenKv, lane_chunks: list[ScheduledChunk],
+        self, paged: AttentionContext, fastgen: FastGenKv, lane_chunks: list[ScheduledChunk],
         paged_chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
     ) -> None:
         self.paged, self.fastgen = paged, fastgen

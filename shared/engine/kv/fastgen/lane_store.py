@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from shared.engine.codec_pool import CodecKvPool
+from shared.engine.kv.codec.pool import CodecKvPool
 from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.llama import RotaryEmbedding, apply_rotary

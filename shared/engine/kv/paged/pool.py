@@ -1,24 +1,14 @@
-"""The paged KV pool (one tensor for every layer's K and V) and the per-step attention context over it.
+"""The paged pool's storage: one tensor for every layer's K and V, read and written by block or by token.
 
-Owns the pool tensors and the step metadata (slots, block tables); block bookkeeping is `shared.engine.blocks`.
+Owns the tensor and the decode gather workspace; the store over it is `store`, the step's attention `attention`, block
+bookkeeping `shared.engine.blocks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from kernels.backend import KernelBackend
-from kernels.paged_attention import (
-    paged_decode_attention,
-    paged_prefill_attention,
-    paged_prefill_attention_padded_ref,
-    store_kv,
-)
 from shared.model.config import LlamaConfig
-from shared.wire.payload import Payload, SizeOnly
 
 
 class KVPool:
@@ -57,11 +47,8 @@ class KVPool:
         """Bytes of one layer of one block in `block_payload` (the same for every block of a raw pool)."""
         return self.block_footprint // self.tensor.shape[0]
 
-    def block_payload(self, block_id: int, starts_sequence: bool) -> Payload:
-        """Every layer of one block: [num_layers, 2, kv_heads, block_size, head_dim] raw, C order; the sim engine's
-        meta pool gives the size alone."""
-        if self.tensor.is_meta:
-            return SizeOnly(self.block_footprint)
+    def block_payload(self, block_id: int, starts_sequence: bool) -> bytes:
+        """Every layer of one block: [num_layers, 2, kv_heads, block_size, head_dim] raw, C order."""
         return self.read_blocks([block_id]).contiguous().view(torch.uint8).numpy().tobytes()
 
     def write_payload_layers(self, block_id: int, first_layer: int, data: bytes | bytearray,
@@ -117,98 +104,3 @@ class KVPool:
         return self._workspace[:half], self._workspace[half:]
 
 
-@dataclass(frozen=True)
-class PrefillSegment:
-    """A run of >1 new tokens of one sequence inside the step's flat token list."""
-
-    start: int  # first row in the step's token list
-    num_tokens: int
-    context_len: int  # tokens visible after this chunk (cached + earlier chunks + this one)
-    block_table: torch.Tensor  # [num_blocks_of_seq]
-
-
-@dataclass(frozen=True)
-class PaddedPrefill:
-    """Every prefill segment of the step attended in one padded call (chosen when lengths are alike)."""
-
-    block_tables: torch.Tensor  # [num_segments, max_blocks]
-    num_new: list[int]
-    context_lens: list[int]
-
-    @staticmethod
-    def is_worth_it(segments: list[PrefillSegment], block_size: int) -> bool:
-        """True when padding to the longest segment wastes at most a quarter of the attention work."""
-        if len(segments) < 2:
-            return False
-        max_keys = max(-(-s.context_len // block_size) for s in segments) * block_size
-        padded = len(segments) * max(s.num_tokens for s in segments) * max_keys
-        return padded <= 1.25 * sum(s.num_tokens * s.context_len for s in segments)
-
-
-@dataclass(frozen=True)
-class StepMetadata:
-    """Where each token's K/V goes and what each query may see; shared by all layers of one step."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] flat pool slot of each token
-    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token sequences
-    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks]
-    decode_context_lens: torch.Tensor  # [num_decode_tokens]
-    prefill_segments: list[PrefillSegment]
-    padded_prefill: PaddedPrefill | None = None
-
-
-LayerCallback = Callable[[int], None]
-
-
-class PagedAttention:
-    """The model's `AttentionContext` for one step: store this step's K/V, then attend over the pool.
-
-    Per layer: store the step's K/V, `before_layer(layer_idx)` (may block until K/V loaded from outside is in the
-    pool), `after_layer(layer_idx)` (every K/V this layer attends over is in place), then attend.
-    """
-
-    def __init__(
-        self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend,
-        after_layer: LayerCallback | None = None, before_layer: LayerCallback | None = None,
-    ) -> None:
-        self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
-        self.after_layer, self.before_layer = after_layer, before_layer
-        # Only the reference path gathers; Triton reads the pool in place.
-        is_reference = backend is KernelBackend.TORCH
-        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
-
-    def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
-    ) -> torch.Tensor:
-        meta, backend = self.meta, self.backend
-        k_cache, v_cache = self.pool.layer(layer_idx)
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)
-        if self.before_layer is not None:
-            self.before_layer(layer_idx)
-        if self.after_layer is not None:
-            self.after_layer(layer_idx)
-        num_decode = meta.num_decode_tokens
-        if not meta.prefill_segments:
-            return self._decode(q, k_cache, v_cache)
-        out = torch.empty_like(q)
-        if num_decode:
-            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
-        if meta.padded_prefill is not None:
-            batch = meta.padded_prefill
-            out[num_decode:] = paged_prefill_attention_padded_ref(
-                q[num_decode:], k_cache, v_cache, batch.block_tables, batch.num_new, batch.context_lens, self.scale
-            )
-            return out
-        for seg in meta.prefill_segments:
-            rows = slice(seg.start, seg.start + seg.num_tokens)
-            out[rows] = paged_prefill_attention(
-                q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
-            )
-        return out
-
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        meta = self.meta
-        return paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.backend,
-            self.workspace,
-        )

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.engine.fastgen.lane_store import LaneStore
-from shared.engine.fastgen.lanes import LaneSlots
+from shared.engine.kv.fastgen.lane_store import LaneStore
+from shared.engine.kv.fastgen.lanes import LaneSlots
 from shared.fastgen.kept import kept_entries
 from shared.fastgen.policies import FastGenSettings
 

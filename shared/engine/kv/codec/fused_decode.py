@@ -16,7 +16,7 @@ from kernels.backend import KernelBackend
 from kernels.kvquant_attention import kvquant_decode_attention
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
 from kernels.kvquant_pack import kvquant_pack
-from shared.engine.codec_pool import CodecKvPool
+from shared.engine.kv.codec.pool import CodecKvPool
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
@@ -43,9 +43,9 @@ class FusedDecode:
     """
 
     @staticmethod
-    def supports(pool: object) -> bool:
-        """Whether `pool` is a codec pool the kernels read (every layer's codec a kvquant one)."""
-        return isinstance(pool, CodecKvPool) and all(isinstance(codec, KvQuantCodec) for codec in pool.codecs)
+    def supports(pool: CodecKvPool) -> bool:
+        """Whether the kernels read `pool` (every layer's codec a kvquant one)."""
+        return all(isinstance(codec, KvQuantCodec) for codec in pool.codecs)
 
     def __init__(self, pool: CodecKvPool, rotary: RotaryEmbedding) -> None:
         if not self.supports(pool):

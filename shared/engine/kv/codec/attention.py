@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
 from shared.engine.batching import ScheduledChunk
-from shared.engine.codec_decode import DecodeBatch, FusedDecode
-from shared.engine.codec_pool import CodecKvPool
-from shared.engine.kv_cache import LayerCallback
+from shared.engine.kv.codec.fused_decode import DecodeBatch, FusedDecode
+from shared.engine.kv.codec.pool import CodecKvPool
+from shared.engine.kv.store import LayerCallback
 from shared.model.llama import RotaryEmbedding, apply_rotary
 
 

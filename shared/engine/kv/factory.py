@@ -1,0 +1,73 @@
+"""The one place a model engine's KV store is built from its `EngineConfig`: the kind (`kv_codec`), its size
+(`kv_cache_bytes`), its block manager, and FastGen's lanes over it (`kv_policy`).
+"""
+
+from __future__ import annotations
+
+from kernels.backend import KernelBackend
+from shared.engine.block_hash import make_namespace
+from shared.engine.blocks import BlockManager
+from shared.engine.config import EngineConfig
+from shared.engine.kv.codec.pool import CodecKvPool
+from shared.engine.kv.codec.store import CodecKvStore
+from shared.engine.kv.fastgen.kv import FastGenKv
+from shared.engine.kv.fastgen.store import FastGenKvStore
+from shared.engine.kv.paged.pool import KVPool
+from shared.engine.kv.paged.store import PagedKvStore
+from shared.engine.kv.store import KvStore
+from shared.fastgen.token_classes import TokenClasses
+from shared.kvcompress import layer_codecs, load_calibration
+from shared.model.checkpoint import Checkpoint
+from shared.model.llama import RotaryEmbedding
+
+
+def build_kv_store(
+    checkpoint: Checkpoint, config: EngineConfig, rotary: RotaryEmbedding, backend: KernelBackend
+) -> KvStore:
+    """The store `config.kv_cache_bytes` pays for, on `config`'s device and dtype.
+
+    Args:
+        rotary: the model's RoPE tables.
+        backend: the kernels attention runs on.
+    Raises:
+        ValueError: a budget of fewer than 2 blocks, or a KV codec calibration that does not fit the model.
+    """
+    model, device, dtype = checkpoint.config, config.torch_device, config.torch_dtype
+    scale = model.head_dim**-0.5
+
+    def blocks(num_blocks: int) -> BlockManager:
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks; need at least 2")
+        return BlockManager(num_blocks, config.block_size, make_namespace(checkpoint.fingerprint, config.kv_format))
+
+    store: KvStore
+    if config.kv_codec == "none":
+        num_blocks = config.kv_cache_bytes // KVPool.bytes_per_block(model, config.block_size, dtype)
+        manager = blocks(num_blocks)
+        paged = KVPool(model, num_blocks, config.block_size, dtype, device)
+        store = PagedKvStore(paged, manager, config.kv_format, scale, backend, config.max_num_seqs)
+    else:
+        path = config.kv_calibration_path
+        calibration = None if path is None else load_calibration(path)
+        name = checkpoint.path.name
+        if calibration is not None and config.kv_calib is None and calibration.info.get("model") != name:
+            raise ValueError(
+                f"the shipped {config.kv_codec} calibration is for {calibration.info.get('model')}, not {name}: "
+                "make one with `tsukimi calibrate kv --model ...` and pass --kv-calib"
+            )
+        codecs = layer_codecs(config.kv_codec, model.num_layers, model.num_kv_heads, model.head_dim, calibration)
+        # Every running sequence holds one full-precision tail; tails take at most a quarter of the budget, and the
+        # batch is capped at the number of tails.
+        per_tail = CodecKvPool.bytes_per_tail(model, config.block_size, dtype)
+        tails = min(config.max_num_seqs, max(1, config.kv_cache_bytes // 4 // per_tail))
+        budget = config.kv_cache_bytes - tails * per_tail
+        num_blocks = max(0, budget) // CodecKvPool.bytes_per_block(codecs[0], model, config.block_size)
+        manager = blocks(num_blocks)
+        coded = CodecKvPool(model, codecs, num_blocks, config.block_size, tails, dtype, device)
+        store = CodecKvStore(coded, manager, config.kv_format, rotary, scale, backend)
+    if config.kv_policy != "fastgen":
+        return store
+    classes = TokenClasses.from_tokenizer(checkpoint.tokenizer, model.vocab_size)
+    fastgen = FastGenKv(config.fastgen, classes, manager, store.lane_store(), model.num_layers, model.num_kv_heads,
+                        scale, hands_off=config.prompt_only)
+    return FastGenKvStore(store, fastgen)

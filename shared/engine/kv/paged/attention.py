@@ -1,0 +1,161 @@
+"""Attention over the paged pool: where each token's K/V goes and what each query may see (`StepMetadata`, built
+once a step by `step_metadata` and shared by every layer), and the model's `AttentionContext` over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.backend import KernelBackend
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_prefill_attention_padded_ref,
+    store_kv,
+)
+from shared.engine.kv.paged.pool import KVPool
+from shared.engine.kv.store import LayerCallback
+
+if TYPE_CHECKING:
+    from shared.engine.batching import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """A run of >1 new tokens of one sequence inside the step's flat token list."""
+
+    start: int  # first row in the step's token list
+    num_tokens: int
+    context_len: int  # tokens visible after this chunk (cached + earlier chunks + this one)
+    block_table: torch.Tensor  # [num_blocks_of_seq]
+
+
+@dataclass(frozen=True)
+class PaddedPrefill:
+    """Every prefill segment of the step attended in one padded call (chosen when lengths are alike)."""
+
+    block_tables: torch.Tensor  # [num_segments, max_blocks]
+    num_new: list[int]
+    context_lens: list[int]
+
+    @staticmethod
+    def is_worth_it(segments: list[PrefillSegment], block_size: int) -> bool:
+        """True when padding to the longest segment wastes at most a quarter of the attention work."""
+        if len(segments) < 2:
+            return False
+        max_keys = max(-(-s.context_len // block_size) for s in segments) * block_size
+        padded = len(segments) * max(s.num_tokens for s in segments) * max_keys
+        return padded <= 1.25 * sum(s.num_tokens * s.context_len for s in segments)
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Where each token's K/V goes and what each query may see; shared by all layers of one step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat pool slot of each token
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token sequences
+    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks]
+    decode_context_lens: torch.Tensor  # [num_decode_tokens]
+    prefill_segments: list[PrefillSegment]
+    padded_prefill: PaddedPrefill | None = None
+
+
+class PagedAttention:
+    """The model's `AttentionContext` for one step: store this step's K/V, then attend over the pool.
+
+    Per layer: store the step's K/V, `before_layer(layer_idx)` (may block until K/V loaded from outside is in the
+    pool), `after_layer(layer_idx)` (every K/V this layer attends over is in place), then attend.
+    """
+
+    def __init__(
+        self, pool: KVPool, meta: StepMetadata, scale: float, backend: KernelBackend,
+        after_layer: LayerCallback | None = None, before_layer: LayerCallback | None = None,
+    ) -> None:
+        self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
+        self.after_layer, self.before_layer = after_layer, before_layer
+        # Only the reference path gathers; Triton reads the pool in place.
+        is_reference = backend is KernelBackend.TORCH
+        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
+    ) -> torch.Tensor:
+        meta, backend = self.meta, self.backend
+        k_cache, v_cache = self.pool.layer(layer_idx)
+        store_kv(k_cache, v_cache, k, v, meta.slot_mapping, backend)
+        if self.before_layer is not None:
+            self.before_layer(layer_idx)
+        if self.after_layer is not None:
+            self.after_layer(layer_idx)
+        num_decode = meta.num_decode_tokens
+        if not meta.prefill_segments:
+            return self._decode(q, k_cache, v_cache)
+        out = torch.empty_like(q)
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
+        if meta.padded_prefill is not None:
+            batch = meta.padded_prefill
+            out[num_decode:] = paged_prefill_attention_padded_ref(
+                q[num_decode:], k_cache, v_cache, batch.block_tables, batch.num_new, batch.context_lens, self.scale
+            )
+            return out
+        for seg in meta.prefill_segments:
+            rows = slice(seg.start, seg.start + seg.num_tokens)
+            out[rows] = paged_prefill_attention(
+                q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
+            )
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale, self.backend,
+            self.workspace,
+        )
+
+
+def step_metadata(
+    chunks: list[ScheduledChunk], block_tables: dict[str, list[int]], block_size: int, backend: KernelBackend,
+    device: torch.device,
+) -> StepMetadata:
+    """Where a step's tokens go and what they see, chunks in the step's token order (single tokens first)."""
+
+    def tensor(values: list[int] | list[list[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    slots: list[int] = []
+    for chunk in chunks:
+        start, table = chunk.seq.num_computed_tokens, block_tables[chunk.seq.request_id]
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(start, start + chunk.num_tokens))
+    decode = [c for c in chunks if c.num_tokens == 1]
+    tables = [block_tables[c.seq.request_id] for c in decode]
+    width = max((len(t) for t in tables), default=1)
+    padded = [t + [0] * (width - len(t)) for t in tables] or [[0]]
+    segments: list[PrefillSegment] = []
+    row = len(decode)
+    for chunk in chunks[len(decode) :]:
+        context_len = chunk.seq.num_computed_tokens + chunk.num_tokens
+        segments.append(PrefillSegment(row, chunk.num_tokens, context_len, tensor(block_tables[chunk.seq.request_id])))
+        row += chunk.num_tokens
+    padded_prefill = None  # on the reference path, batch the step's prefill attention when chunks are alike in length
+    if backend is KernelBackend.TORCH and PaddedPrefill.is_worth_it(segments, block_size):
+        prefill_tables = [block_tables[c.seq.request_id][: -(-s.context_len // block_size)]
+                          for c, s in zip(chunks[len(decode) :], segments, strict=True)]
+        longest = max(len(t) for t in prefill_tables)
+        padded_prefill = PaddedPrefill(
+            block_tables=tensor([t + [t[0]] * (longest - len(t)) for t in prefill_tables]),
+            num_new=[s.num_tokens for s in segments],
+            context_lens=[s.context_len for s in segments],
+        )
+    return StepMetadata(
+        padded_prefill=padded_prefill,
+        slot_mapping=tensor(slots),
+        num_decode_tokens=len(decode),
+        decode_block_tables=tensor(padded, torch.int32),
+        decode_context_lens=tensor([c.seq.num_computed_tokens + 1 for c in decode], torch.int32),
+        prefill_segments=segments,
+    )

@@ -1,0 +1,183 @@
+"""A prompt's KV prefill -> decode in `KvChunk`s: each layer's full blocks in the engines' block form (the very bytes
+their KV stores and the cache-store hold: raw tensors, or a codec's bytes) and its partial last block's tokens, cut
+at block boundaries; and the prompt reassembled from a complete stream with exact size checks. A store of sizes alone
+(the sim engine's) sends one size-only chunk per layer.
+
+The block form itself is the engine's (`shared.engine.kv.store.BlockFormat`), which this module reads through
+`BlockSizes`. Verification, compression and the stall deadline are `chunks`' and `receiver`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError, shuffle_width
+from shared.wire.payload import CODEC_RAW, Payload, SizeOnly, checksum, compress
+from shared.wire.protocol import KvChunk
+
+
+class BlockSizes(Protocol):
+    """What chunking and reassembly read of the engines' block form: the KV format's name, block size, the bytes of
+    consecutive blocks, the tail's dtype, and whether the blocks carry values."""
+
+    @property
+    def kv_format(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    @property
+    def tail_dtype(self) -> torch.dtype: ...
+
+    @property
+    def has_values(self) -> bool: ...
+
+    def blocks_bytes(self, num_full_blocks: int, first_block: int = 0) -> int: ...
+
+
+PromptLayers = tuple[list[Payload], torch.Tensor, int]  # each layer's block bytes, the tails, num_tokens
+
+
+def num_prompt_chunks(num_layers: int, num_tokens: int, fmt: BlockSizes, max_chunk_bytes: int) -> int:
+    """How many chunks `chunk_prompt_layer`, called once per layer, makes for a whole prompt (`KvChunk.total`)."""
+    return num_layers * len(_spans(num_tokens, fmt, max_chunk_bytes))
+
+
+def _spans(num_tokens: int, fmt: BlockSizes, max_chunk_bytes: int) -> list[tuple[int, int]]:
+    """Token ranges of one layer's chunks: whole blocks, as many as fit `max_chunk_bytes` (at least one); the partial
+    last block travels with the last range. Sizes alone travel in one range."""
+    if not num_tokens:
+        return []
+    if not fmt.has_values:
+        return [(0, num_tokens)]
+    size = fmt.block_size
+    per_chunk = max(1, max_chunk_bytes // max(1, fmt.block_bytes))
+    full = num_tokens // size
+    starts = list(range(0, full, per_chunk)) or [0]
+    spans = [(b * size, min(b + per_chunk, full) * size) for b in starts]
+    if num_tokens % size:
+        if full:
+            spans[-1] = (spans[-1][0], num_tokens)
+        else:
+            spans = [(0, num_tokens)]
+    return spans
+
+
+def chunk_prompt_layer(
+    request_id: str, layer_idx: int, blocks: Payload, tail: torch.Tensor, num_tokens: int, fmt: BlockSizes,
+    first_seq: int, total: int, max_chunk_bytes: int, *, compress_payload: bool = True,
+) -> list[KvChunk]:
+    """One layer as chunks of whole blocks (see `num_prompt_chunks` for `total`): its full blocks' bytes back to back
+    and its partial last block's tokens, tail [2, kv_heads, num_tokens % block_size, head_dim].
+
+    Args:
+        first_seq: the seq of the layer's first chunk; the others follow.
+        compress_payload: False sends every payload raw (a baseline for benchmarks).
+    Raises:
+        ValueError: the blocks' bytes or the tail do not fit `num_tokens` in this format.
+    """
+    size = fmt.block_size
+    full = num_tokens // size
+    if len(blocks) != fmt.blocks_bytes(full) or tail.shape[2] != num_tokens % size:
+        raise ValueError(f"{len(blocks)} bytes and a tail of {tail.shape[2]} tokens do not hold "
+                         f"{num_tokens} tokens of {fmt.kv_format}")
+    dtype = WIRE_NAMES[fmt.tail_dtype]
+
+    def chunk(seq: int, t0: int, t1: int, codec: str, raw_size: int, data: bytes) -> KvChunk:
+        return KvChunk(
+            request_id=request_id, seq=seq, total=total, layer_start=layer_idx, layer_end=layer_idx + 1,
+            token_start=t0, token_end=t1, dtype=dtype, codec=codec, raw_size=raw_size, checksum=checksum(data),
+            data=data, kv_format=fmt.kv_format, block_size=fmt.block_size,
+        )
+
+    if not fmt.has_values:
+        if not num_tokens:
+            return []
+        raw_size = len(blocks) + tail.numel() * tail.element_size()
+        codec, data = compress(SizeOnly(raw_size), 1)
+        return [chunk(first_seq, 0, num_tokens, codec, raw_size, data)]
+    if isinstance(blocks, SizeOnly):
+        raise ValueError(f"sizes alone for {fmt.kv_format} blocks, which carry values")
+    tail_raw = tail.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    width = shuffle_width(fmt.kv_format)
+    chunks = []
+    for i, (t0, t1) in enumerate(_spans(num_tokens, fmt, max_chunk_bytes)):
+        b0, b1 = t0 // size, min(t1 // size, full)
+        start = fmt.blocks_bytes(b0)
+        raw = blocks[start : start + fmt.blocks_bytes(b1 - b0, b0)]
+        if t1 == num_tokens and num_tokens % size:
+            raw += tail_raw
+        codec, data = compress(raw, width) if compress_payload else (CODEC_RAW, raw)
+        chunks.append(chunk(first_seq + i, t0, t1, codec, len(raw), data))
+    return chunks
+
+
+def assemble_prompt(
+    assembly: KvAssembly, num_layers: int, kv_heads: int, head_dim: int, fmt: BlockSizes
+) -> PromptLayers:
+    """The whole prompt from a complete assembly: each layer's full blocks' bytes (sizes alone for a store of
+    sizes), the tails [num_layers, 2, kv_heads, num_tokens % block_size, head_dim] in the format's dtype (a meta tensor
+    for sizes alone), and num_tokens.
+
+    Raises:
+        KvTransferError: chunks missing or overlapping, another KV format than this engine's, a chunk whose size
+            does not fit its token range in this format, or sizes where values are due.
+    """
+    rid = assembly.request_id
+    if assembly.kv_format != fmt.kv_format:
+        raise KvTransferError(f"request {rid}: prefill sent KV as {assembly.kv_format}, this engine keeps "
+                              f"{fmt.kv_format}")
+    sizes = {header.block_size for header, _ in assembly.pieces()}
+    if sizes != {fmt.block_size}:
+        raise KvTransferError(f"request {rid}: prefill sent blocks of {sorted(sizes)} tokens, this engine pages "
+                              f"{fmt.block_size}")
+    num_tokens = assembly.check_complete(num_layers)
+    size = fmt.block_size
+    full, num_tail = num_tokens // size, num_tokens % size
+    wire_dtype = DTYPE_NAMES[assembly.wire_dtype]
+    tail_bytes = 2 * kv_heads * num_tail * head_dim * wire_dtype.itemsize
+    if not fmt.has_values:
+        return _assemble_sizes(assembly, num_layers, kv_heads, head_dim, fmt, num_tokens)
+    layers: list[list[tuple[int, bytes]]] = [[] for _ in range(num_layers)]
+    tail = torch.zeros(num_layers, 2, kv_heads, num_tail, head_dim, dtype=wire_dtype)
+    for header, raw in assembly.pieces():
+        t0, t1 = header.token_start, header.token_end
+        if t0 % size or (t1 % size and t1 != num_tokens):
+            raise KvTransferError(f"request {rid}: chunk {header.seq} covers tokens [{t0}, {t1}), not whole blocks")
+        b0, b1 = t0 // size, min(t1 // size, full)
+        blocks_size = fmt.blocks_bytes(b1 - b0, b0)
+        has_tail = t1 == num_tokens and num_tail > 0
+        expected = blocks_size + (tail_bytes if has_tail else 0)
+        if header.raw_size != expected or header.layer_end != header.layer_start + 1:
+            raise KvTransferError(
+                f"request {rid}: chunk {header.seq} holds {header.raw_size} bytes, {fmt.kv_format} tokens "
+                f"[{t0}, {t1}) of one layer take {expected}"
+            )
+        if isinstance(raw, SizeOnly):
+            raise KvTransferError(f"request {rid}: chunk {header.seq} is size-only, this engine's KV carries bytes")
+        layers[header.layer_start].append((t0, raw[:blocks_size]))
+        if has_tail:
+            values = np.frombuffer(raw, dtype=np.uint8, offset=blocks_size).copy()
+            tail[header.layer_start] = torch.from_numpy(values).view(wire_dtype).view(2, kv_heads, num_tail, head_dim)
+    joined: list[Payload] = [b"".join(part for _, part in sorted(parts)) for parts in layers]
+    return joined, tail.to(fmt.tail_dtype), num_tokens
+
+
+def _assemble_sizes(
+    assembly: KvAssembly, num_layers: int, kv_heads: int, head_dim: int, fmt: BlockSizes, num_tokens: int
+) -> PromptLayers:
+    """A store of sizes: one size-only chunk a layer, as big as the layer's blocks and tail."""
+    rid, full, num_tail = assembly.request_id, num_tokens // fmt.block_size, num_tokens % fmt.block_size
+    expected = fmt.blocks_bytes(full) + 2 * kv_heads * num_tail * head_dim * fmt.tail_dtype.itemsize
+    for header, raw in assembly.pieces():
+        if not isinstance(raw, SizeOnly) or header.raw_size != expected or header.layer_end != header.layer_start + 1:
+            raise KvTransferError(f"request {rid}: chunk {header.seq} is not the size-only layer of {expected} bytes "
+                                  "this engine expects")
+    tail = torch.empty(num_layers, 2, kv_heads, num_tail, head_dim, dtype=fmt.tail_dtype, device="meta")
+    return [SizeOnly(fmt.blocks_bytes(full)) for _ in range(num_layers)], tail, num_tokens
