@@ -10,9 +10,16 @@ import torch
 from torch import nn
 
 
-def can_pack(device: torch.device) -> bool:
-    """Whether this build of torch can pack weights for `device` (a CPU torch built with oneDNN)."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def can_pack(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this build of torch can pack weights of `dtype` for `device`: a CPU torch built with oneDNN, and for
+    bf16 or fp16 a CPU with oneDNN's path for them (AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU has none)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 class PackedLinear(nn.Module):

@@ -204,6 +204,6 @@ def build_model(
     model = model.to(dtype).eval().requires_grad_(False)
     # RoPE tables stay fp32 whatever the weights are; they are cast per step, after the lookup.
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
-    if pack_weights and can_pack(device):
+    if pack_weights and can_pack(device, dtype):
         pack_linears(model)  # the tied lm_head gets its own packed copy; the embedding stays for lookups
     return model

@@ -12,9 +12,21 @@ from shared.model.cpu_linear import PackedLinear, can_pack, pack_linears
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu")), reason="this torch has no oneDNN")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_can_pack_says_whether_this_cpu_packs_the_dtype(dtype: torch.dtype) -> None:
+    try:
+        PackedLinear(torch.randn(8, 4).to(dtype))
+        packs = True
+    except RuntimeError:  # oneDNN: "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+        packs = False
+    assert can_pack(torch.device("cpu"), dtype) == packs
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
 def test_packed_linear_equals_f_linear(dtype: torch.dtype, tol: float, num_rows: int) -> None:
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"this CPU has no oneDNN {dtype} path (the test above checks that can_pack says so)")
     gen = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(96, 40, generator=gen).to(dtype)
     x = torch.randn(num_rows, 40, generator=gen).to(dtype)
