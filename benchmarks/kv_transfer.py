@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from nats.aio.msg import Msg
 
+from shared.engine.kv.paged.store import prompt_layer_of
 from shared.engine.kv.store import BlockFormat
 from shared.tools.nats_server import EmbeddedNatsServer
 from shared.wire.bus import Bus
@@ -79,12 +80,10 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def layer_blocks(kv_layer: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """One layer [2, heads, tokens, head_dim] in the block form: its full blocks' bytes back to back, each block
-    [2, heads, block_size, head_dim] in C order, and its tail [2, heads, tokens % block_size, head_dim]."""
-    _, heads, num_tokens, head_dim = kv_layer.shape
-    cut = num_tokens // BLOCK_SIZE * BLOCK_SIZE
-    blocks = kv_layer[:, :, :cut].reshape(2, heads, -1, BLOCK_SIZE, head_dim).permute(2, 0, 1, 3, 4)
-    return tensor_bytes(blocks), kv_layer[:, :, cut:].contiguous()
+    """One layer [2, heads, tokens, head_dim] in a paged store's block form: full blocks' bytes and the tail."""
+    layer = prompt_layer_of(kv_layer, BLOCK_SIZE)
+    assert isinstance(layer.blocks, bytes)
+    return layer.blocks, layer.tail
 
 
 def prompt_checksum(layers: list[Payload], tail: torch.Tensor) -> int:

@@ -59,9 +59,12 @@ class SimRunner:
         blocks = BlockManager(num_blocks, config.block_size, namespace)
         self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs)
         self.sampler = Sampler()
-        self.max_num_seqs = config.max_num_seqs
         self.last_step_s = 0.0  # the predicted time of the last step
         self._last_end = -math.inf  # perf_counter() when the last step ended
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.store.max_num_seqs
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

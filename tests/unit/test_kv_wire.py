@@ -1,10 +1,12 @@
 """KV over the wire: a raw store's prompt (its full blocks' bytes and the partial last block's tokens) round-trips
 exactly, in whole blocks, under the NATS payload, compressed where it pays; and every corrupt, inconsistent, missing
-or stalled transfer, or one in another KV format, is refused with a message that names the request and chunk.
+transfer, or one in another KV format or block size, is refused with a message that names the request and chunk.
+The streams' deadline and budget are `test_kv_receiver`'s.
 
-The synthetic KV is a tensor [num_layers, 2, kv_heads, num_tokens, head_dim]; `as_blocks` cuts one layer of it into
-the raw block form (each full block [2, kv_heads, block_size, head_dim] in C order, back to back, and the tail), the
-form `PagedKvStore` reads and writes, as `test_the_raw_block_form_is_the_paged_stores` holds it to."""
+The synthetic KV is a tensor [num_layers, 2, kv_heads, num_tokens, head_dim]; `kv_wire_fixtures.as_blocks` cuts one
+layer of it into the raw block form (each full block [2, kv_heads, block_size, head_dim] in C order, back to back,
+and the tail), the form `PagedKvStore` reads and writes, as `test_the_raw_block_form_is_the_paged_stores` holds it
+to."""
 
 from __future__ import annotations
 
@@ -17,124 +19,32 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_wire_fixtures import (
+    BLOCK,
+    DTYPES,
+    ONE_BLOCK,
+    TOKENS,
+    all_chunks,
+    as_blocks,
+    assembled,
+    check_chunk_sizes,
+    filled,
+    noise,
+    raw_format,
+    smooth_kv,
+    tensor_bytes,
+)
 
 from kernels.backend import KernelBackend
 from shared.engine.blocks import BlockManager
 from shared.engine.kv.paged.pool import KVPool
 from shared.engine.kv.paged.store import PagedKvStore
-from shared.engine.kv.store import BlockFormat, PromptKv
+from shared.engine.kv.store import PromptKv
 from shared.model.config import LlamaConfig
 from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError
 from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
-from shared.wire.kv_transfer.receiver import UNANNOUNCED_SHARE, KvReceiver
 from shared.wire.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, SizeOnly, checksum, compress, decompress
 from shared.wire.protocol import KvChunk, decode, encode
-
-DTYPES = list(DTYPE_NAMES.values())
-BLOCK = 16
-TOKENS = 100  # 6 full blocks and a tail of 4: six chunks a layer at one block a chunk
-ONE_BLOCK = 3000  # a max_chunk_bytes under any block here: one block a chunk
-
-
-def smooth_kv(num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int, seed: int = 0) -> torch.Tensor:
-    """Synthetic KV [num_layers, 2, heads, tokens, head_dim], fp32: smooth along tokens, a scale per channel.
-
-    Calibrated so shuffle+LZ4 shrinks it about as much as SmolLM2-135M's real KV (fp32 ~0.93, bf16 ~0.85).
-    """
-    window = 16
-    if num_tokens == 0:
-        return torch.zeros(num_layers, 2, num_kv_heads, 0, head_dim)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_layers, 2, num_kv_heads, head_dim, num_tokens + window - 1, generator=g)
-    x = x.unfold(-1, window, 1).mean(-1) * math.sqrt(window)  # moving average along tokens, unit variance
-    scale = torch.exp(0.5 * torch.randn(num_layers, 2, num_kv_heads, 1, head_dim, generator=g))
-    return (x.transpose(3, 4) * scale).contiguous()
-
-
-def noise(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random bits of `dtype` (NaNs and all): nothing for LZ4 to find."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g).view(dtype).squeeze(-1)
-
-
-def raw_format(dtype: torch.dtype, kv_heads: int, head_dim: int, block_size: int = BLOCK) -> BlockFormat:
-    """A raw store's block form: one layer of one block is [2, kv_heads, block_size, head_dim] of `dtype`."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return BlockFormat(WIRE_NAMES[dtype], block_size, 2 * kv_heads * block_size * head_dim * itemsize, 0, dtype)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's bytes in C order (bit-exact, whatever the dtype)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def as_blocks(kv_layer: torch.Tensor, block_size: int = BLOCK) -> tuple[bytes, torch.Tensor]:
-    """One layer [2, heads, tokens, head_dim] in the raw block form: its full blocks' bytes, block after block, each
-    [2, heads, block_size, head_dim]; and its tail [2, heads, tokens % block_size, head_dim]."""
-    _, heads, num_tokens, head_dim = kv_layer.shape
-    cut = num_tokens // block_size * block_size
-    blocks = kv_layer[:, :, :cut].reshape(2, heads, -1, block_size, head_dim).permute(2, 0, 1, 3, 4)
-    # The default strides, as a store's tail has: a sliced tensor of head dim 1 is "contiguous" with a last stride > 1
-    return tensor_bytes(blocks), kv_layer[:, :, cut:].clone(memory_format=torch.contiguous_format)
-
-
-def from_blocks(layers: list[bytes], tail: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
-    """The inverse of `as_blocks` for every layer: [num_layers, 2, heads, tokens, head_dim]."""
-    _, _, heads, _, head_dim = tail.shape
-    out = []
-    for data, layer_tail in zip(layers, tail, strict=True):
-        full = layer_tail.new_zeros(2, heads, 0, head_dim)
-        if data:
-            values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tail.dtype)
-            blocks = values.view(-1, 2, heads, block_size, head_dim).permute(1, 2, 0, 3, 4)
-            full = blocks.reshape(2, heads, -1, head_dim)
-        out.append(torch.cat([full, layer_tail], dim=2))
-    return torch.stack(out)
-
-
-def all_chunks(request_id: str, kv: torch.Tensor, max_chunk_bytes: int, block_size: int = BLOCK,
-               compress_payload: bool = True) -> list[KvChunk]:
-    """Every chunk of `kv` [layers, 2, heads, tokens, head_dim] in a raw format, layer by layer as prefill sends."""
-    num_layers, _, heads, num_tokens, head_dim = kv.shape
-    fmt = raw_format(kv.dtype, heads, head_dim, block_size)
-    total = num_prompt_chunks(num_layers, num_tokens, fmt, max_chunk_bytes)
-    chunks: list[KvChunk] = []
-    for layer in range(num_layers):
-        blocks, tail = as_blocks(kv[layer], block_size)
-        chunks += chunk_prompt_layer(request_id, layer, blocks, tail, num_tokens, fmt, len(chunks), total,
-                                     max_chunk_bytes, compress_payload=compress_payload)
-    return chunks
-
-
-def filled(chunks: list[KvChunk]) -> KvAssembly:
-    assembly = KvAssembly(chunks[0].request_id, chunks[0].total)
-    for chunk in chunks:
-        assembly.add(chunk)
-    return assembly
-
-
-def assembled(assembly: KvAssembly, kv: torch.Tensor, block_size: int = BLOCK) -> torch.Tensor:
-    """The prompt of a complete assembly as a tensor like `kv`, checking the raw form it came in against `kv`'s."""
-    num_layers, _, heads, num_tokens, head_dim = kv.shape
-    layers, tail, got_tokens = assemble_prompt(assembly, num_layers, heads, head_dim,
-                                               raw_format(kv.dtype, heads, head_dim, block_size))
-    assert got_tokens == num_tokens and tail.dtype == kv.dtype
-    expected = [as_blocks(kv[layer], block_size) for layer in range(num_layers)]
-    assert layers == [blocks for blocks, _ in expected]
-    assert tensor_bytes(tail) == tensor_bytes(torch.stack([t for _, t in expected]))
-    assert all(isinstance(layer, bytes) for layer in layers)
-    return from_blocks(layers, tail, block_size)  # type: ignore[arg-type]
-
-
-def check_chunk_sizes(chunks: list[KvChunk], fmt: BlockFormat, num_tokens: int, max_chunk_bytes: int) -> None:
-    """Chunks hold whole blocks, as many as fit `max_chunk_bytes` (at least one); the tail rides with a layer's last."""
-    full = num_tokens // fmt.block_size
-    for chunk in chunks:
-        assert chunk.token_start % fmt.block_size == 0
-        num_blocks = min(chunk.token_end, full * fmt.block_size) // fmt.block_size - chunk.token_start // fmt.block_size
-        assert fmt.blocks_bytes(num_blocks) <= max(max_chunk_bytes, fmt.block_bytes)
-        assert chunk.token_end % fmt.block_size == 0 or chunk.token_end == num_tokens
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPE_NAMES))
@@ -399,126 +309,3 @@ def test_assemble_checks_layer_coverage_and_shape() -> None:
     for pieces, num_layers, heads, engine_fmt, error in cases:
         with pytest.raises(KvTransferError, match=error):
             assemble_prompt(filled(pieces), num_layers, heads, 8, engine_fmt)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def two_layers() -> torch.Tensor:
-    return smooth_kv(2, 3, TOKENS, 64)  # 12 chunks at one block a chunk
-
-
-def test_receiver_expires_a_stalled_stream_while_another_completes() -> None:
-    clock = FakeClock()
-    receiver = KvReceiver(deadline_s=10.0, clock=clock)
-    kv = two_layers()
-    stalled, healthy = all_chunks("r1", kv, ONE_BLOCK), all_chunks("r2", kv, ONE_BLOCK)
-    assert len(stalled) == 12
-    for chunk in stalled[:7] + healthy:
-        assert receiver.add(chunk) is None
-    assert "r1" in receiver and len(receiver) == 2
-    assert receiver.is_complete("r2") and not receiver.is_complete("r1")
-    clock.now += 9.9
-    assert receiver.expire() == []
-    clock.now += 0.1
-    assert receiver.expire() == [
-        ("r1", "KV transfer stalled: 5 of 12 chunks missing after 10.0 s"),
-        ("r2", "KV transfer complete but not taken after 10.0 s"),
-    ]
-    assert len(receiver) == 0
-    assert receiver.add(stalled[7]) is None and "r1" not in receiver  # a late chunk does not reopen it
-
-
-def test_receiver_hands_over_a_complete_assembly() -> None:
-    receiver = KvReceiver(deadline_s=10.0, clock=FakeClock())
-    kv = two_layers()
-    chunks = all_chunks("r2", kv, ONE_BLOCK)
-    for chunk in chunks[:-1]:
-        receiver.add(chunk)
-    assert receiver.take_complete("r2") is None and "r2" in receiver
-    receiver.add(chunks[-1])
-    assembly = receiver.take_complete("r2")
-    assert assembly is not None and "r2" not in receiver
-    assert tensor_bytes(assembled(assembly, kv)) == tensor_bytes(kv)
-    assert receiver.take_complete("r2") is None and receiver.take_complete("r9") is None
-
-
-def test_receiver_returns_errors_and_ignores_the_failed_requests_late_chunks() -> None:
-    clock = FakeClock()
-    receiver = KvReceiver(deadline_s=10.0, clock=clock)
-    chunks = all_chunks("r1", two_layers(), ONE_BLOCK)
-    assert receiver.add(chunks[0]) is None
-    error = receiver.add(dataclasses.replace(chunks[1], checksum=chunks[1].checksum ^ 1))
-    assert isinstance(error, KvTransferError) and "chunk 1/12 failed its checksum" in str(error)
-    assert "r1" not in receiver
-    assert all(receiver.add(chunk) is None for chunk in chunks[1:])
-    assert "r1" not in receiver and receiver.expire() == []
-    clock.now += 10 * 10.0 + 1  # forgotten after ten deadlines
-    receiver.expire()
-    assert receiver.add(chunks[0]) is None and "r1" in receiver
-    error = receiver.add(dataclasses.replace(chunks[0], request_id="r3", total=0))
-    assert isinstance(error, KvTransferError) and "r3" not in receiver
-    error = receiver.add(dataclasses.replace(chunks[0], request_id="r4", kv_format=""))
-    assert isinstance(error, KvTransferError) and "names no KV format" in str(error) and "r4" not in receiver
-
-
-def test_discard_drops_a_stream_and_its_late_chunks() -> None:
-    clock = FakeClock()
-    receiver = KvReceiver(deadline_s=10.0, clock=clock)
-    chunks = all_chunks("r1", two_layers(), ONE_BLOCK)
-    receiver.add(chunks[0])
-    receiver.discard("r1")
-    receiver.discard("never-seen")
-    assert "r1" not in receiver and len(receiver) == 0
-    assert receiver.add(chunks[1]) is None and "r1" not in receiver
-    clock.now += 11
-    assert receiver.expire() == []
-
-
-def test_kv_nobody_announced_gets_a_small_share_of_the_buffer() -> None:
-    kv = two_layers()
-    held = kv.numel() * kv.element_size()  # what a whole stream holds, decompressed
-    receiver = KvReceiver(deadline_s=10.0, max_bytes=UNANNOUNCED_SHARE * (held // 2), clock=FakeClock())
-    receiver.expect("announced")
-    stranger = [receiver.add(chunk) for chunk in all_chunks("stranger", kv, ONE_BLOCK)]
-    error = next(e for e in stranger if e is not None)
-    assert "did not place here" in str(error) and "stranger" not in receiver
-    assert receiver.num_unannounced_bytes == 0  # what it held is given back
-    assert all(receiver.add(chunk) is None for chunk in all_chunks("announced", kv, ONE_BLOCK))
-    assert receiver.is_complete("announced") and receiver.num_held_bytes == held
-    late = all_chunks("late", kv, ONE_BLOCK)  # chunks before their announcement (across a NATS cluster)
-    assert receiver.add(late[0]) is None and receiver.num_unannounced_bytes == late[0].raw_size
-    receiver.expect("late")
-    assert receiver.num_unannounced_bytes == 0 and all(receiver.add(chunk) is None for chunk in late[1:])
-
-
-def test_the_buffer_is_shared_by_every_stream_and_freed_as_they_close() -> None:
-    kv = two_layers()
-    held = kv.numel() * kv.element_size()
-    receiver = KvReceiver(deadline_s=10.0, max_bytes=held * 3 // 2, clock=FakeClock())
-    for request_id in ("a", "b", "c"):
-        receiver.expect(request_id)
-    assert all(receiver.add(chunk) is None for chunk in all_chunks("a", kv, ONE_BLOCK))
-    errors = [receiver.add(chunk) for chunk in all_chunks("b", kv, ONE_BLOCK)]
-    assert "KV buffer is full" in str(next(e for e in errors if e is not None)) and "b" not in receiver
-    assert receiver.take_complete("a") is not None and receiver.num_held_bytes == 0
-    assert all(receiver.add(chunk) is None for chunk in all_chunks("c", kv, ONE_BLOCK))
-    receiver.discard("c")
-    assert receiver.num_held_bytes == receiver.num_unannounced_bytes == 0
-
-
-def test_announcements_expire_and_are_bounded() -> None:
-    clock = FakeClock()
-    receiver = KvReceiver(deadline_s=10.0, expect_ttl_s=60.0, clock=clock)
-    receiver.expect("r1")
-    clock.now += 59
-    receiver.expire()
-    assert receiver.is_expected("r1")
-    clock.now += 2
-    receiver.expire()
-    assert not receiver.is_expected("r1")

@@ -40,6 +40,8 @@ class BlockSizes(Protocol):
 
     def blocks_bytes(self, num_full_blocks: int, first_block: int = 0) -> int: ...
 
+    def tail_bytes(self, num_tokens: int, kv_heads: int, head_dim: int) -> int: ...
+
 
 PromptLayers = tuple[list[Payload], torch.Tensor, int]  # each layer's block bytes, the tails, num_tokens
 
@@ -141,9 +143,9 @@ def assemble_prompt(
     size = fmt.block_size
     full, num_tail = num_tokens // size, num_tokens % size
     wire_dtype = DTYPE_NAMES[assembly.wire_dtype]
-    tail_bytes = 2 * kv_heads * num_tail * head_dim * wire_dtype.itemsize
     if not fmt.has_values:
         return _assemble_sizes(assembly, num_layers, kv_heads, head_dim, fmt, num_tokens)
+    tail_bytes = 2 * kv_heads * num_tail * head_dim * wire_dtype.itemsize  # in the wire's dtype, converted below
     layers: list[list[tuple[int, bytes]]] = [[] for _ in range(num_layers)]
     tail = torch.zeros(num_layers, 2, kv_heads, num_tail, head_dim, dtype=wire_dtype)
     for header, raw in assembly.pieces():
@@ -174,7 +176,7 @@ def _assemble_sizes(
 ) -> PromptLayers:
     """A store of sizes: one size-only chunk a layer, as big as the layer's blocks and tail."""
     rid, full, num_tail = assembly.request_id, num_tokens // fmt.block_size, num_tokens % fmt.block_size
-    expected = fmt.blocks_bytes(full) + 2 * kv_heads * num_tail * head_dim * fmt.tail_dtype.itemsize
+    expected = fmt.blocks_bytes(full) + fmt.tail_bytes(num_tail, kv_heads, head_dim)
     for header, raw in assembly.pieces():
         if not isinstance(raw, SizeOnly) or header.raw_size != expected or header.layer_end != header.layer_start + 1:
             raise KvTransferError(f"request {rid}: chunk {header.seq} is not the size-only layer of {expected} bytes "

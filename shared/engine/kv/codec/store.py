@@ -14,6 +14,7 @@ from shared.engine.kv.codec.attention import CodecAttention, CodecStepLayout
 from shared.engine.kv.codec.fused_decode import FusedDecode
 from shared.engine.kv.codec.pool import CodecKvPool
 from shared.engine.kv.fastgen.lane_store import CodedLaneStore, LaneStore
+from shared.engine.kv.pooled import PooledStore
 from shared.engine.kv.store import BlockFormat, LayerCallback, PromptKv, PromptLayerKv
 from shared.model.llama import RotaryEmbedding
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from shared.engine.kv.fastgen.kv import FastGenKv
 
 
-class CodecKvStore:
+class CodecKvStore(PooledStore[CodecKvPool]):
     """`KvStore` over a `CodecKvPool`.
 
     Args:
@@ -49,27 +50,9 @@ class CodecKvStore:
         self.block_format = BlockFormat(kv_format, pool.block_size, pool.block_bytes, pool.sink_bytes, pool.dtype)
 
     @property
-    def num_bytes(self) -> int:
-        return self.pool.num_bytes
-
-    @property
-    def block_footprint(self) -> int:
-        return self.pool.block_footprint
-
-    @property
     def num_bytes_held(self) -> int:
         tails = self.pool.num_tails_held * self.pool.tails[:, :, 0].numel() * self.pool.tails.element_size()
-        return (self.blocks.num_blocks - self.blocks.num_free_blocks) * self.block_footprint + tails
-
-    def payload_layer_bytes(self, starts_sequence: bool) -> int:
-        return self.pool.payload_layer_bytes(starts_sequence)
-
-    def block_payload(self, block_id: int, starts_sequence: bool) -> bytes:
-        return self.pool.block_payload(block_id, starts_sequence)
-
-    def write_payload_layers(self, block_id: int, first_layer: int, data: bytes | bytearray,
-                             starts_sequence: bool) -> None:
-        self.pool.write_payload_layers(block_id, first_layer, data, starts_sequence)
+        return super().num_bytes_held + tails
 
     def read_prompt_layer(self, seq_id: Hashable, block_ids: list[int], num_tokens: int, layer: int) -> PromptLayerKv:
         pool = self.pool

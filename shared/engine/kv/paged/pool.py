@@ -66,34 +66,10 @@ class KVPool:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
         return self.tensor.index_select(3, index)
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Fill whole blocks, every layer; `kv` as `read_blocks` returns it (any device, cast to the pool dtype)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
-        self.tensor.index_copy_(3, index, kv.to(self.tensor.device, self.tensor.dtype))
-
     def write_block_layers(self, block_id: int, first_layer: int, kv: torch.Tensor) -> None:
         """Fill layers [first_layer, first_layer + n) of one block; `kv`: [n, 2, kv_heads, block_size, head_dim]."""
         layers = slice(first_layer, first_layer + kv.shape[0])
         self.tensor[layers, :, :, block_id] = kv.to(self.tensor.device, self.tensor.dtype)
-
-    def read_tokens(self, layer_idx: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """A copy of one layer's K and V for a sequence's first `num_tokens`: [2, kv_heads, num_tokens, head_dim]."""
-        num_blocks = -(-num_tokens // self.block_size)
-        index = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=self.tensor.device)
-        kv = self.tensor[layer_idx].index_select(2, index)  # [2, kv_heads, num_blocks, block_size, head_dim]
-        return kv.flatten(2, 3)[:, :, :num_tokens].contiguous()
-
-    def write_tokens(self, block_ids: list[int], kv: torch.Tensor, first_block: int = 0) -> None:
-        """Write a sequence's KV of every layer, `kv`: [num_layers, 2, kv_heads, num_tokens, head_dim], into its
-        blocks, skipping the first `first_block` blocks (already holding the same KV, e.g. from the prefix cache)."""
-        num_layers, _, num_kv_heads, num_tokens, head_dim = kv.shape
-        num_blocks = -(-num_tokens // self.block_size)
-        if first_block >= num_blocks:
-            return
-        padded = kv.new_zeros(num_layers, 2, num_kv_heads, num_blocks * self.block_size, head_dim)
-        padded[:, :, :, :num_tokens] = kv
-        blocks = padded.unflatten(3, (num_blocks, self.block_size))[:, :, :, first_block:]
-        self.write_blocks(block_ids[first_block:num_blocks], blocks)
 
     def gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat buffers that hold `num_blocks` gathered blocks of K and of V (grown, never shrunk)."""

@@ -14,6 +14,7 @@ from kernels.backend import KernelBackend
 from shared.engine.kv.fastgen.lane_store import LaneStore, RawLaneStore
 from shared.engine.kv.paged.attention import PagedAttention, step_metadata
 from shared.engine.kv.paged.pool import KVPool
+from shared.engine.kv.pooled import PooledStore
 from shared.engine.kv.store import BlockFormat, LayerCallback, PromptKv, PromptLayerKv
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from shared.engine.kv.fastgen.kv import FastGenKv
 
 
-class PagedKvStore:
+class PagedKvStore(PooledStore[KVPool]):
     """`KvStore` over a `KVPool`.
 
     Args:
@@ -45,28 +46,6 @@ class PagedKvStore:
         _, _, self.kv_heads, _, _, self.head_dim = pool.tensor.shape
         self.block_format = BlockFormat(kv_format, self.block_size, pool.payload_layer_bytes(False), 0,
                                         pool.tensor.dtype)
-
-    @property
-    def num_bytes(self) -> int:
-        return self.pool.num_bytes
-
-    @property
-    def block_footprint(self) -> int:
-        return self.pool.block_footprint
-
-    @property
-    def num_bytes_held(self) -> int:
-        return (self.blocks.num_blocks - self.blocks.num_free_blocks) * self.block_footprint
-
-    def payload_layer_bytes(self, starts_sequence: bool) -> int:
-        return self.pool.payload_layer_bytes(starts_sequence)
-
-    def block_payload(self, block_id: int, starts_sequence: bool) -> bytes:
-        return self.pool.block_payload(block_id, starts_sequence)
-
-    def write_payload_layers(self, block_id: int, first_layer: int, data: bytes | bytearray,
-                             starts_sequence: bool) -> None:
-        self.pool.write_payload_layers(block_id, first_layer, data, starts_sequence)
 
     def read_prompt_layer(self, seq_id: Hashable, block_ids: list[int], num_tokens: int, layer: int) -> PromptLayerKv:
         full, rest = divmod(num_tokens, self.block_size)
@@ -122,7 +101,8 @@ def prompt_layer_of(kv: torch.Tensor, block_size: int) -> PromptLayerKv:
     _, kv_heads, num_tokens, head_dim = kv.shape
     full = num_tokens // block_size
     blocks = kv[:, :, : full * block_size].reshape(2, kv_heads, full, block_size, head_dim).permute(2, 0, 1, 3, 4)
-    return PromptLayerKv(_tensor_bytes(blocks.cpu()), kv[:, :, full * block_size :].clone(), num_tokens)
+    tail = kv[:, :, full * block_size :].clone(memory_format=torch.contiguous_format)
+    return PromptLayerKv(_tensor_bytes(blocks.cpu()), tail, num_tokens)
 
 
 def tensor_of(prompt: PromptKv, fmt: BlockFormat, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -131,6 +111,9 @@ def tensor_of(prompt: PromptKv, fmt: BlockFormat, kv_heads: int, head_dim: int) 
     layers = []
     for data, tail in zip(prompt.layers, prompt.tail, strict=True):
         assert isinstance(data, bytes), "a prompt of sizes alone has no values"
+        if not full:  # a prompt shorter than a block: its tail alone
+            layers.append(tail)
+            continue
         blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(fmt.tail_dtype)
         blocks = blocks.view(full, 2, kv_heads, fmt.block_size, head_dim).permute(1, 2, 0, 3, 4)
         layers.append(torch.cat([blocks.reshape(2, kv_heads, full * fmt.block_size, head_dim), tail], dim=2))
