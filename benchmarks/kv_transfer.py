@@ -1,10 +1,11 @@
 """Streams one prompt's KV prefill -> decode over a real nats-server (embedded, loopback), as
-`shared.wire.kv_transfer.prompt` chunks of a raw store's blocks (`BlockFormat` of the dtype, blocks of 16 tokens), with
+`shared.wire.handoff.prompt` chunks of a raw store's blocks (`BlockFormat` of the dtype, blocks of 16 tokens), with
 byte-shuffle + LZ4 and with compression off, and prints end-to-end MB/s, wire MB and the compression ratio.
 
 Not a test. The publisher (this process) cuts each layer into its block form (full blocks' bytes and the partial last
 block's tokens, as a paged store's `read_prompt_layer` gives them), chunks, compresses and publishes it layer by layer,
-as prefill does; a subscriber in a child process (as decode does, through `Bus.serve` and `KvReceiver`) verifies each
+as prefill does, inside a hand-off stream (start, chunks, end); a subscriber in a child process (as decode does,
+through `Bus.serve` and `HandoffReceiver`) verifies each
 chunk, reassembles the prompt (`assemble_prompt`) and says so. MB/s = raw KV bytes / wall time from the first layer
 cut to the reassembled prompt (MB = 10^6 B).
 Both ends share this machine's cores; across machines compress and decompress would overlap instead of adding up.
@@ -33,12 +34,19 @@ from shared.engine.kv.paged.store import prompt_layer_of
 from shared.engine.kv.store import BlockFormat
 from shared.tools.nats_server import EmbeddedNatsServer
 from shared.wire.bus import Bus
-from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
-from shared.wire.kv_transfer.receiver import KvReceiver
+from shared.wire.handoff.prompt import (
+    DTYPE_NAMES,
+    WIRE_NAMES,
+    KvAssembly,
+    assemble_prompt,
+    chunk_prompt_layer,
+    num_prompt_chunks,
+)
+from shared.wire.handoff.receiver import HandoffReceiver
 from shared.wire.log import configure_logging
+from shared.wire.parts import PartError
 from shared.wire.payload import Payload, checksum
-from shared.wire.protocol import KvChunk, Message, Subjects
+from shared.wire.protocol import HandoffEnd, HandoffStart, KvChunk, Message, SamplingParams, Subjects
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 BLOCK_SIZE = 16  # the engines' default
@@ -111,23 +119,27 @@ def receiver_main(url: str) -> None:
 async def receive(url: str) -> None:
     """Verify and assemble every request's chunks; publish `<request_id>` on DONE, then its checksum on VERIFIED."""
     bus = await Bus.connect(url, "bench-decode", SUBJECTS)
-    receiver = KvReceiver(deadline_s=60.0)
+    receiver = HandoffReceiver(deadline_s=60.0)
     stop = asyncio.Event()
 
-    async def on_chunk(msg: Message) -> None:
-        assert isinstance(msg, KvChunk)
-        error = receiver.add(msg)
+    async def on_message(msg: Message) -> None:
+        if isinstance(msg, HandoffStart):
+            error = receiver.start(msg)
+        elif isinstance(msg, KvChunk):
+            error = receiver.add(msg)
+        else:
+            assert isinstance(msg, HandoffEnd)
+            stream, error = receiver.end(msg)
         if error is not None:
             await bus.client.publish(DONE, f"{msg.request_id} {error}".encode())
             return
-        assembly = receiver.take_complete(msg.request_id)
-        if assembly is None:
+        if not isinstance(msg, HandoffEnd) or stream is None:
             return
         # A decode engine assembles in its own format; this one takes each stream's (every dtype is measured).
-        fmt = raw_format(DTYPE_NAMES[assembly.kv_format])
+        fmt = raw_format(DTYPE_NAMES[stream.kv.pieces()[0][0].kv_format])
         try:
-            layers, tail, _ = assemble_prompt(assembly, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, fmt)
-        except KvTransferError as exc:
+            layers, tail, _ = assemble_prompt(stream.kv, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, fmt)
+        except PartError as exc:
             await bus.client.publish(DONE, f"{msg.request_id} {exc}".encode())
             return
         await bus.client.publish(DONE, msg.request_id.encode())
@@ -137,7 +149,7 @@ async def receive(url: str) -> None:
     async def on_stop(_: Msg) -> None:
         stop.set()
 
-    await bus.serve(SUBJECTS.decode_kv(DECODE_ID), on_chunk)
+    await bus.serve(SUBJECTS.decode_handoff(DECODE_ID), on_message)
     await bus.client.subscribe(STOP, cb=on_stop)
     await bus.client.flush()
     await bus.client.publish(READY, b"")
@@ -177,9 +189,10 @@ class Publisher:
         fmt = raw_format(kv.dtype)
         total = num_prompt_chunks(num_layers, num_tokens, fmt, self.chunk_bytes)
         done, verified = self.expect(DONE, request_id), self.expect(VERIFIED, request_id)
-        subject = SUBJECTS.decode_kv(DECODE_ID)
+        subject = SUBJECTS.decode_handoff(DECODE_ID)
         wire_bytes = seq = 0
         start = time.perf_counter()
+        await self.bus.publish(subject, HandoffStart(request_id, [0] * num_tokens, SamplingParams(), "bench", total))
         for layer in range(num_layers):
             blocks, tail = layer_blocks(kv[layer])
             chunks = chunk_prompt_layer(
@@ -191,6 +204,7 @@ class Publisher:
                 wire_bytes += len(chunk.data)
             seq += len(chunks)
             await asyncio.sleep(0)  # let the client's flusher send this layer, as prefill would between layers
+        await self.bus.publish(subject, HandoffEnd(request_id, 0, "", 0))
         await self.bus.client.flush()
         try:
             error = await asyncio.wait_for(done, self.timeout_s)

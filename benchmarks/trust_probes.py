@@ -33,6 +33,7 @@ from shared.wire.payload import checksum
 from shared.wire.protocol import (
     Ack,
     Cancel,
+    HandoffStart,
     Heartbeat,
     KvChunk,
     SamplingParams,
@@ -292,8 +293,11 @@ def probe_unsolicited_kv(p: Probe) -> list[str]:
         prefill = await p.bus("prefill")
         payload = os.urandom(510 << 10)
         for i in range(600):
-            chunk = KvChunk(f"stranger-{i}", 0, 2, 0, 1, 0, 1, "fp32", "raw", len(payload), checksum(payload), payload)
-            await prefill.publish(S.decode_kv("decode-0"), chunk)
+            start = HandoffStart(f"stranger-{i}", [1], SamplingParams(max_tokens=1), "prefill-0", 2)
+            chunk = KvChunk(f"stranger-{i}", 0, 2, 0, 1, 0, 1, "fp32", "raw", len(payload), checksum(payload), payload,
+                            "fp32", 16)
+            await prefill.publish(S.decode_handoff("decode-0"), start)
+            await prefill.publish(S.decode_handoff("decode-0"), chunk)
             if i % 20 == 0:
                 await prefill.client.flush()
         await prefill.drain()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import nats.errors
@@ -23,10 +23,12 @@ from services.cache_store.tiers.tiers import CacheStats, TieredStore
 from services.common.tasks import BackgroundTasks
 from shared.config import CacheStoreSettings, ConfigError
 from shared.wire.bus import Bus
+from shared.wire.cache_client import block_shuffle_width
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_events import CLEARED, STORED, KvEventLog, KvEventPublisher
 from shared.wire.log import get_logger
-from shared.wire.payload import CODEC_SIZE_ONLY, checksum
+from shared.wire.parts import PartAssembly, PartError
+from shared.wire.payload import CODEC_SIZE_ONLY
 from shared.wire.protocol import (
     Ack,
     BlockGet,
@@ -41,21 +43,8 @@ from shared.wire.protocol import (
 
 log = get_logger(__name__)
 
-PENDING_TIMEOUT_S = 30.0  # a put whose parts stop arriving is dropped after this long
+PENDING_TIMEOUT_S = 30.0  # a put with no new part for this long is dropped
 STATS_LOG_S = 30.0  # a "cache stats" log line this often
-
-
-@dataclass
-class PendingBlock:
-    """The verified parts of a block still being put (phase one); committed when all `num_parts` are in."""
-
-    num_parts: int
-    started_at: float  # monotonic seconds of the first part
-    parts: dict[int, BlockPut] = field(default_factory=dict)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(part_size(part) for part in self.parts.values())
 
 
 class CacheStoreService:
@@ -79,7 +68,7 @@ class CacheStoreService:
         self.store = TieredStore(
             DramTier(settings.cache_dram_bytes), ssd, self._record, clock, settings.cache_ssd_admit_seen
         )
-        self.pending: dict[int, PendingBlock] = {}
+        self.pending: dict[int, PartAssembly[BlockPut]] = {}  # block hash -> the verified parts of its put (phase one)
         self.heartbeat = HeartbeatSender(
             bus, settings.instance_id, Role.CACHE_STORE.value, settings.heartbeat_s, self.load
         )
@@ -149,32 +138,32 @@ class CacheStoreService:
         return self.store.stats()
 
     async def handle_put(self, msg: BlockPut) -> Ack:
-        """Phase one: buffer a verified part; phase two: commit the block once all its parts are in.
+        """Phase one: buffer a verified part as it came; phase two: commit the block once all its parts are in.
 
         A block already stored is acknowledged without work (part 0 of it counts as a sighting for SSD admission).
-        A bad part (checksum, indices, a part count that disagrees with earlier parts) is refused and drops the whole
-        pending block; so is a block too large to store, or one that finds no room.
+        A bad part (checksum, seq, a total that disagrees with earlier parts, a conflicting duplicate, an unknown codec
+        or raw bytes of another size than stated) is refused and drops the whole pending block; so is a block too
+        large to store, or one that finds no room. An identical duplicate is acknowledged.
         """
         self._drop_stale_pending()
-        if msg.replace and msg.part == 0 and self.store.holds(msg.block_hash):
+        if msg.replace and msg.seq == 0 and self.store.holds(msg.block_hash):
             if self.store.remove(msg.block_hash):  # a reader refused our copy: the writer's new one replaces it
                 log.info("replacing a block a reader refused", block_hash=msg.block_hash)
                 await self.publish_events()
         if self.store.holds(msg.block_hash):
-            if msg.part == 0:
+            if msg.seq == 0:
                 self.store.seen.add(msg.block_hash)
             return Ack()
-        error = self._check_part(msg)
+        error = self._buffer(msg)
         if error:
             self.pending.pop(msg.block_hash, None)
-            log.warning("refused a block part", block_hash=msg.block_hash, part=msg.part, reason=error)
+            log.warning("refused a block part", block_hash=msg.block_hash, part=msg.seq, reason=error)
             return Ack(ok=False, error=error)
-        pending = self.pending.setdefault(msg.block_hash, PendingBlock(msg.num_parts, self.clock()))
-        pending.parts[msg.part] = msg
-        if len(pending.parts) < pending.num_parts:
+        pending = self.pending[msg.block_hash]
+        if not pending.is_complete:
             return Ack()
         del self.pending[msg.block_hash]
-        block = StoredBlock(tuple(pending.parts[i] for i in range(msg.num_parts)))
+        block = StoredBlock(tuple(pending.parts()))
         try:
             await self.store.put(msg.block_hash, block)
         except ValueError as exc:
@@ -185,13 +174,13 @@ class CacheStoreService:
         return Ack()
 
     async def handle_get(self, msg: BlockGet) -> BlockPart:
-        """Part `msg.part` of a stored block as it was put (from DRAM, or verified from SSD), or `found=False`."""
-        block = await self.store.get(msg.block_hash, msg.part)
+        """Part `msg.seq` of a stored block as it was put (from DRAM, or verified from SSD), or `found=False`."""
+        block = await self.store.get(msg.block_hash, msg.seq)
         await self.publish_events()  # an SSD hit may have evicted from DRAM, a corrupt file is `removed`
-        if block is None or not 0 <= msg.part < len(block.parts):
-            return BlockPart(msg.block_hash, found=False, part=msg.part)
-        p = block.parts[msg.part]
-        return BlockPart(msg.block_hash, True, p.part, p.num_parts, p.codec, p.raw_size, p.checksum, p.data, p.tag)
+        if block is None or not 0 <= msg.seq < len(block.parts):
+            return BlockPart(msg.block_hash, found=False, seq=msg.seq)
+        p = block.parts[msg.seq]
+        return BlockPart(msg.block_hash, True, p.seq, p.total, p.codec, p.raw_size, p.checksum, p.data, p.tag)
 
     async def handle_has(self, msg: BlockHas) -> BlockHasReply:
         """Which of the hashes are committed here, in any tier (pending puts do not count)."""
@@ -210,35 +199,56 @@ class CacheStoreService:
         self.events.record(kind, block_hashes)
         self.tasks.spawn(self._events_out.flush(), "kv-events")
 
+    def _buffer(self, msg: BlockPut) -> str:
+        """Verify the part and keep it, as it came, in its block's pending put; why it cannot be, or "" when it is
+        kept (or an identical duplicate of a kept one)."""
+        error = self._check_part(msg)
+        if error:
+            return error
+        try:
+            pending = self.pending.get(msg.block_hash) or self._open_put(msg)
+            pending.add(replace(msg, replace=False) if msg.replace else msg)  # `replace` is an instruction, not data
+        except PartError as exc:
+            return str(exc)
+        return ""
+
+    def _open_put(self, msg: BlockPut) -> PartAssembly[BlockPut]:
+        """The pending put of the block whose first part (to arrive) is `msg`."""
+        pending: PartAssembly[BlockPut] = PartAssembly(
+            f"block {msg.block_hash:#x}", msg.total, lambda part: {"block_hash": part.block_hash}, block_shuffle_width,
+            PENDING_TIMEOUT_S, decode=False, clock=self.clock,
+        )
+        self.pending[msg.block_hash] = pending
+        return pending
+
     def _check_part(self, msg: BlockPut) -> str:
-        """Why this part cannot be buffered, or "" when it can."""
-        if not 0 <= msg.part < msg.num_parts:
-            return f"part {msg.part} outside 0..{msg.num_parts - 1}"
-        if checksum(msg.data) != msg.checksum:
-            return f"checksum mismatch in part {msg.part}"
+        """Why the store will not buffer this part whatever it holds (a size-only part with bytes, no room), or ""."""
         if msg.codec == CODEC_SIZE_ONLY and msg.data:
-            return f"size-only part {msg.part} carries {len(msg.data)} bytes"
+            return f"size-only part {msg.seq} carries {len(msg.data)} bytes"
         pending = self.pending.get(msg.block_hash)
-        if pending is not None and pending.num_parts != msg.num_parts:
-            return f"part count {msg.num_parts} disagrees with earlier parts ({pending.num_parts})"
         capacity = self.store.dram.capacity_bytes
-        if (pending.num_bytes if pending else 0) + part_size(msg) > capacity:
+        if (_counted_bytes(pending) if pending else 0) + part_size(msg) > capacity:
             return f"block {msg.block_hash:#x} exceeds the capacity of {capacity} bytes"
-        if sum(p.num_bytes for p in self.pending.values()) + part_size(msg) > capacity:
+        if sum(_counted_bytes(p) for p in self.pending.values()) + part_size(msg) > capacity:
             return "too many bytes in unfinished puts"
         return ""
 
     def _drop_stale_pending(self) -> None:
-        now = self.clock()
-        stale = [h for h, p in self.pending.items() if now - p.started_at > PENDING_TIMEOUT_S]
-        for block_hash in stale:
+        """Drop the puts with no new part for `PENDING_TIMEOUT_S` (counted from the last part, not the first: a put
+        that is slow but still coming is kept)."""
+        for block_hash in [h for h, p in self.pending.items() if p.is_expired()]:
             pending = self.pending.pop(block_hash)
-            log.warning("dropped an unfinished put", block_hash=block_hash, parts=len(pending.parts))
+            log.warning("dropped an unfinished put", block_hash=block_hash, parts=pending.num_received)
 
     async def _log_stats(self) -> None:
         while True:
             await asyncio.sleep(STATS_LOG_S)
             log.info("cache stats", **stats_fields(self.stats()))
+
+
+def _counted_bytes(pending: PartAssembly[BlockPut]) -> int:
+    """What the parts of a pending put count for in DRAM (`part_size`: a size-only part, the size it stands for)."""
+    return sum(part.raw_size if part.codec == CODEC_SIZE_ONLY else len(data) for part, data in pending.pieces())
 
 
 def stats_fields(stats: CacheStats) -> dict[str, int | float]:

@@ -1,38 +1,43 @@
-"""The decode service: receives prompt KV in verified chunks, joins each request to its continuous batch once its KV
-is complete, and streams tokens to the gateway. A stalled or corrupt KV stream fails only its own request.
+"""The decode service: receives each request's hand-off stream from prefill (its header, the prompt's KV in verified
+chunks, any FastGen profile, its end with the first token), writes the request's response stream from the first token
+on, and joins the request to its continuous batch. A stalled or corrupt hand-off fails only its own request.
 
-It never computes prompts (that is services.prefill) and trusts no KV that did not pass its checksum.
+It computes prompts only when the scheduler sends one here (conditional disaggregation) and trusts no KV that did
+not pass its checksum.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from services.common.engine_host import EngineHost
+from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_decode_steps
 from shared.config import EngineSettings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv.store import PromptKv
 from shared.engine.sequence import FinishReason
-from shared.fastgen.wire import ProfileError, ProfileParts
-from shared.wire.bus import Bus
+from shared.wire.bus import Bus, Handler
+from shared.wire.handoff.profile import profile_of
+from shared.wire.handoff.prompt import assemble_prompt
+from shared.wire.handoff.receiver import HandoffReceiver
+from shared.wire.handoff.stream import HandoffStream
 from shared.wire.heartbeat import HeartbeatSender, Load
-from shared.wire.kv_transfer.chunks import KvTransferError
-from shared.wire.kv_transfer.prompt import assemble_prompt
-from shared.wire.kv_transfer.receiver import KvReceiver
 from shared.wire.log import get_logger
+from shared.wire.parts import PartError
 from shared.wire.protocol import (
     Cancel,
-    DecodeTask,
     ErrorType,
     ExpectHandoff,
     FastGenProfilePart,
+    HandoffEnd,
+    HandoffStart,
     KvChunk,
+    Message,
     PrefillTask,
     Role,
     SamplingParams,
@@ -56,17 +61,9 @@ def _error_type(exc: Exception) -> ErrorType:
     return ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL
 
 
-@dataclass
-class _Waiting:
-    """A request whose DecodeTask arrived; its KV may still be in flight."""
-
-    task: DecodeTask
-    since: float  # monotonic seconds
-
-
 class DecodeService:
-    """Serves `decode.<id>.kv`, `decode.<id>.run` and the broadcast `cancel`. A DecodeTask may arrive before or after
-    the last chunk of its KV; the request joins the batch when both are in.
+    """Serves `decode.<id>.handoff` (hand-off streams from prefill), `decode.<id>.run` (the scheduler's announcements
+    and prompts to compute here) and the broadcast `cancel`. A request joins the batch when its hand-off ended whole.
 
     Args:
         settings: service settings (KV deadline, heartbeat interval).
@@ -77,11 +74,10 @@ class DecodeService:
     def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine) -> None:
         self.settings, self.bus, self.engine = settings, bus, engine
         self.host: EngineHost[RequestOutput | _Failure] = EngineHost(engine)
-        self.receiver = KvReceiver(settings.kv_deadline_s, settings.kv_buffer_bytes, settings.request_timeout_s)
-        self.profiles = ProfileParts()  # FastGen profiles that follow some prompts' KV
+        self.receiver = HandoffReceiver(settings.kv_deadline_s, settings.kv_buffer_bytes, settings.request_timeout_s)
         self._kv_saved_bytes = 0  # what FastGen does not hold now, over the running requests (engine thread's)
         self._num_prompt_tokens_left = 0  # of prompts being prefilled here, still to compute (engine thread's)
-        self._waiting: dict[str, _Waiting] = {}  # DecodeTask in, KV not complete yet
+        self._assembling: set[str] = set()  # hand-off ended, its KV being assembled off the event loop
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
         self._aborts: set[str] = set()
@@ -91,6 +87,7 @@ class DecodeService:
         self._lock = threading.Lock()  # _ready, _prompts, _running and _samples are shared with the engine thread
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.DECODE, settings.heartbeat_s, self.load)
         self._deadline_task: asyncio.Task[None] | None = None
+        self.tasks = BackgroundTasks()  # assemblies of ended hand-offs
 
     async def start(self) -> None:
         if self.settings.warmup and self.settings.engine_kind == "real":  # the first heartbeat carries them
@@ -98,11 +95,13 @@ class DecodeService:
             with self._lock:
                 self._samples += samples
         s, me = self.bus.subjects, self.settings.instance_id
-        await self.bus.route(s.decode_kv(me), {KvChunk: self.on_chunk, FastGenProfilePart: self.on_profile_part})
-        await self.bus.route(s.decode_run(me), {
-            ExpectHandoff: self.on_expect_handoff, DecodeTask: self.on_decode_task, PrefillTask: self.on_prefill_task,
-            Cancel: self.on_prefill_cancel,
-        })
+        handoff: dict[type[Message], Handler] = {
+            HandoffStart: self.on_handoff_start, KvChunk: self.on_handoff_part,
+            FastGenProfilePart: self.on_handoff_part, HandoffEnd: self.on_handoff_end, Cancel: self.on_prefill_cancel,
+        }
+        await self.bus.route(s.decode_handoff(me), handoff)
+        run: dict[type[Message], Handler] = {ExpectHandoff: self.on_expect_handoff, PrefillTask: self.on_prefill_task}
+        await self.bus.route(s.decode_run(me), run)
         await self.bus.route(s.cancel, {Cancel: self.on_broadcast_cancel})
         self.host.start(self._tick, self._deliver)
         self._deadline_task = asyncio.create_task(self._enforce_deadlines())
@@ -113,6 +112,7 @@ class DecodeService:
         await self._heartbeat.stop()
         if self._deadline_task is not None:
             self._deadline_task.cancel()
+        await self.tasks.close()
         await self.host.stop()
 
     @property
@@ -128,42 +128,82 @@ class DecodeService:
             samples, self._samples = self._samples, []
             local = sum(len(task.prompt_ids) for task, _ in self._prompts) + self._num_prompt_tokens_left
         return Load(
-            num_running=len(running), num_waiting=len(self._waiting) + len(ready), num_queued_tokens=local,
+            num_running=len(running), num_waiting=len(self._assembling) + len(ready), num_queued_tokens=local,
             max_num_seqs=self.engine.runner.max_num_seqs,
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
-            request_ids=[*running, *self._waiting, *ready, *self.receiver.request_ids()], samples=samples,
+            request_ids=[*running, *self._assembling, *ready, *self.receiver.request_ids()], samples=samples,
             block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
             kv_moved_tokens=self._moved_tokens, kv_saved_bytes=self._kv_saved_bytes,
         )
 
-    async def on_chunk(self, msg: KvChunk) -> None:
+    async def on_handoff_start(self, msg: HandoffStart) -> None:
+        error = self.receiver.start(msg)
+        if error is not None:
+            await self._fail(msg.request_id, str(error))
+
+    async def on_handoff_part(self, msg: KvChunk | FastGenProfilePart) -> None:
         error = self.receiver.add(msg)
         if error is not None:
-            self._waiting.pop(msg.request_id, None)
-            self.profiles.discard(msg.request_id)
             await self._fail(msg.request_id, str(error))
-            return
-        await self._maybe_ready(msg.request_id)
 
-    async def on_profile_part(self, msg: FastGenProfilePart) -> None:
-        if msg.request_id not in self.receiver:  # no KV stream (failed, cancelled or never opened): nothing to join
+    async def on_handoff_end(self, msg: HandoffEnd) -> None:
+        """The stream is whole: the first token goes out at once (this instance writes the response stream from
+        here on), then the prompt's KV is assembled off the event loop and queued for the engine."""
+        stream, error = self.receiver.end(msg)
+        if error is not None:
+            await self._fail(msg.request_id, str(error))
+        if stream is None:
             return
+        request_id = msg.request_id
+        first = StreamEvent(request_id, 0, [msg.first_token], msg.first_text, None, len(stream.start.prompt_ids),
+                            msg.num_cached_tokens)
+        await self.bus.publish(self.bus.subjects.stream(request_id), first)
+        self._assembling.add(request_id)
+        self.tasks.spawn(self._admit_handoff(stream), f"assemble-{request_id}")
+
+    async def _admit_handoff(self, stream: HandoffStream) -> None:
+        """Assemble the request on a worker thread (other streams keep arriving meanwhile) and queue it for the
+        engine, unless it was cancelled meanwhile (its client heard already)."""
+        request_id = stream.request_id
         try:
-            self.profiles.add(msg)
-        except ProfileError as exc:
-            self._waiting.pop(msg.request_id, None)
-            self.receiver.discard(msg.request_id)
-            self.profiles.discard(msg.request_id)
-            await self._fail(msg.request_id, str(exc))
+            request = await asyncio.to_thread(self._prefilled, stream)
+        except (PartError, ValueError) as exc:
+            if request_id in self._assembling:
+                await self._fail(request_id, str(exc))
             return
-        await self._maybe_ready(msg.request_id)
+        finally:
+            is_cancelled = request_id not in self._assembling
+            self._assembling.discard(request_id)
+        if is_cancelled:
+            return
+        self._moved_bytes += stream.kv.num_wire_bytes
+        self._moved_tokens += len(stream.start.prompt_ids)
+        with self._lock:
+            self._ready.append(request)
+        self.host.wake()
+
+    def _prefilled(self, stream: HandoffStream) -> PrefilledRequest:
+        """A worker thread: the request as the engine takes it, from its whole stream.
+
+        Raises:
+            PartError: KV that does not make this engine's prompt. ProfileError: a profile of another shape.
+        """
+        start, end, cfg = stream.start, stream.end, self.engine.model_config
+        assert end is not None
+        profile = None if stream.profile is None else profile_of(
+            stream.profile, cfg.num_layers, cfg.num_kv_heads, len(start.prompt_ids), self.engine.config.fastgen.full + 1
+        )
+        kv = PromptKv(*assemble_prompt(stream.kv, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       self.engine.block_format))
+        return PrefilledRequest(start.request_id, start.prompt_ids, end.first_token, len(end.first_text),
+                                start.sampling, kv, end.num_cached_tokens, profile)
 
     async def on_expect_handoff(self, msg: ExpectHandoff) -> None:
         self.receiver.expect(msg.request_id)
 
     async def on_prefill_cancel(self, msg: Cancel) -> None:
-        """From the prefill instance (the request finished or failed there): it told the client already."""
+        """A hand-off stream closed early (the request finished or failed at prefill): prefill told the client."""
         self._cancel(msg)
 
     async def on_broadcast_cancel(self, msg: Cancel) -> None:
@@ -171,17 +211,6 @@ class DecodeService:
         (a gateway that cancelled has stopped listening)."""
         if self._cancel(msg):
             await self._fail(msg.request_id, f"the request was cancelled: {msg.reason}", ErrorType.UNAVAILABLE)
-
-    async def on_decode_task(self, task: DecodeTask) -> None:
-        request_id = task.request_id
-        if self.receiver.is_closed(request_id):  # its KV stream failed (already reported) or was cancelled
-            log.info("decode task after its KV stream closed: dropped", request_id=request_id)
-            return
-        if request_id not in self.receiver and not self.receiver.is_expected(request_id):
-            await self._fail(request_id, "decode has no KV for this request and was not told to expect it")
-            return
-        self._waiting[request_id] = _Waiting(task, time.monotonic())
-        await self._maybe_ready(request_id)
 
     async def on_prefill_task(self, task: PrefillTask) -> None:
         """Conditional disaggregation: the scheduler judged this prompt cheaper to compute here than to move."""
@@ -198,10 +227,9 @@ class DecodeService:
     def _cancel(self, msg: Cancel) -> bool:
         """Drop the request wherever it is here; True when this instance held it."""
         request_id = msg.request_id
-        held = request_id in self.receiver or request_id in self._waiting or self.receiver.is_expected(request_id)
-        self.receiver.discard(request_id)
-        self.profiles.discard(request_id)
-        self._waiting.pop(request_id, None)
+        held = request_id in self.receiver or request_id in self._assembling or self.receiver.is_expected(request_id)
+        self.receiver.close(request_id)
+        self._assembling.discard(request_id)
         with self._lock:
             ready = [r for r in self._ready if r.request_id == request_id]
             prompts = [p for p in self._prompts if p[0].request_id == request_id]
@@ -218,51 +246,13 @@ class DecodeService:
             log.info("decode cancelled", request_id=request_id, reason=msg.reason)
         return held
 
-    async def _maybe_ready(self, request_id: str) -> None:
-        waiting = self._waiting.get(request_id)
-        if waiting is None or not self.receiver.is_complete(request_id):
-            return
-        if self.profiles.num_received(request_id) < waiting.task.num_profile_parts:
-            return  # its FastGen profile follows the KV (a stall expires with the KV stream)
-        assembly = self.receiver.take_complete(request_id)
-        del self._waiting[request_id]
-        task, cfg = waiting.task, self.engine.model_config
-        try:
-            if assembly is None or assembly.num_received != task.num_chunks:
-                raise KvTransferError(f"request {request_id}: expected {task.num_chunks} KV chunks")
-            profile = None if not task.num_profile_parts else self.profiles.take(
-                request_id, cfg.num_layers, cfg.num_kv_heads, len(task.prompt_ids), self.engine.config.fastgen.full + 1)
-            kv = PromptKv(*await asyncio.to_thread(
-                assemble_prompt, assembly, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.engine.block_format
-            ))
-            params = _continuation_params(task.sampling)
-        except (KvTransferError, ValueError) as exc:
-            await self._fail(request_id, str(exc))
-            return
-        self._moved_bytes += assembly.num_wire_bytes
-        self._moved_tokens += len(task.prompt_ids)
-        request = PrefilledRequest(
-            request_id, task.prompt_ids, task.first_token, task.num_emitted_chars, params, kv, task.num_cached_tokens,
-            profile,
-        )
-        with self._lock:
-            self._ready.append(request)
-        self.host.wake()
-
     async def _enforce_deadlines(self) -> None:
-        """Fail requests whose KV stream stalled, or whose KV never started arriving."""
+        """Fail requests whose hand-off stalled."""
         deadline = self.settings.kv_deadline_s
         while True:
             await asyncio.sleep(min(0.5, deadline / 4))
             for request_id, reason in self.receiver.expire():
-                self._waiting.pop(request_id, None)
-                self.profiles.discard(request_id)
                 await self._fail(request_id, reason)
-            now = time.monotonic()
-            for request_id, waiting in list(self._waiting.items()):
-                if request_id not in self.receiver and now - waiting.since > deadline:
-                    del self._waiting[request_id]
-                    await self._fail(request_id, f"no KV chunk arrived within {deadline} s")
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
@@ -358,11 +348,3 @@ class DecodeService:
         log.warning("request failed", request_id=request_id, error_type=error_type, error=error)
         event = StreamEvent.failure(request_id, error_type, error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)
-
-
-def _continuation_params(params: SamplingParams) -> SamplingParams:
-    """Prefill drew the first token from a generator seeded with `seed`; a fresh generator with the same seed here
-    would repeat that draw for the second token, so the continuation gets its own stream, derived from the seed."""
-    if params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed * 0x9E3779B1 + 1) % (1 << 63))

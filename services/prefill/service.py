@@ -1,6 +1,8 @@
 """The prefill service: computes prompts, loading the reusable prefix from the cache-store layer by layer while it
-computes, streams each layer's KV to the chosen decode instance, sends the first token to the gateway, stores new
-full blocks in the cache-store, and reports its local cache (KV events, snapshots) and step timings (heartbeats).
+computes; hands each request to the chosen decode instance in one ordered stream (a header, each layer's KV as it is
+computed, FastGen's profile, an end with the first token); stores new full blocks in the cache-store, and reports its
+local cache (KV events, snapshots) and step timings (heartbeats). It writes a request's response stream only when the
+request ends here (finished at its first token, or failed before its hand-off ended); decode writes the rest.
 
 It owns a prompt-only engine (every request leaves it after its first token); decoding belongs to services.decode.
 """
@@ -24,18 +26,20 @@ from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv.prefix_load import PrefixSource
 from shared.engine.kv.store import PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
-from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
+from shared.wire.handoff.profile import PromptProfile, profile_parts
+from shared.wire.handoff.prompt import chunk_prompt_layer, num_prompt_chunks
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_events import KvEventLog, KvEventPublisher
-from shared.wire.kv_transfer.prompt import chunk_prompt_layer, num_prompt_chunks
 from shared.wire.log import get_logger
 from shared.wire.payload import Payload
 from shared.wire.protocol import (
     Cancel,
-    DecodeTask,
     ErrorType,
+    HandoffEnd,
+    HandoffStart,
+    Message,
     PrefillTask,
     Role,
     SamplingParams,
@@ -58,6 +62,7 @@ class _Held:
     num_chunks: int = 0
     sends: list[asyncio.Future[None]] = field(default_factory=list)
     sent_layers: set[int] = field(default_factory=set)  # a request recomputed after a failed load sends each once
+    is_handing_off: bool = False  # its hand-off stream to decode is open (a failure must close it)
     cancelled: bool = False
     is_prefilled: bool = False
     profile: PromptProfile | None = None  # FastGen's, when the engine runs it: decode keeps what it says
@@ -158,7 +163,7 @@ class PrefillService:
             self.host.wake()
             log.info("prefill cancelled", request_id=msg.request_id, reason=msg.reason)
             # whoever cancelled it, its client hears (a gateway that cancelled has stopped listening)
-            await self._fail(msg.request_id, ErrorType.UNAVAILABLE, f"the request was cancelled: {msg.reason}")
+            await self._fail_held(held, ErrorType.UNAVAILABLE, f"the request was cancelled: {msg.reason}")
 
     async def handle_snapshot(self, msg: SnapshotRequest) -> Snapshot:
         """Every hash in the local prefix cache, as of the last KV event (those numbered on the way go out first)."""
@@ -173,12 +178,19 @@ class PrefillService:
         task = held.task
         try:
             source = await self._store_prefix(held)
+            if not held.cancelled:  # the stream opens before any of its KV can be sent
+                await self._publish_handoff(held, HandoffStart(
+                    task.request_id, task.prompt_ids, task.sampling, self.settings.instance_id, held.num_chunks
+                ))
+                held.is_handing_off = True
             is_queued = not held.cancelled and await self.host.call(self._enqueue, held, params, source)
         except Exception as exc:
             is_queued = False
-            await self._fail(task.request_id, ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL,
-                             str(exc))
+            await self._fail_held(held, ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL,
+                                  str(exc))
         if not is_queued:
+            if held.cancelled and held.is_handing_off:
+                await self._close_handoff(held, "cancelled at prefill")
             self._held.pop(task.request_id, None)
             return
         self.host.wake()
@@ -263,9 +275,8 @@ class PrefillService:
             )
             chunks = await self.host.loop.run_in_executor(self._encoder, encode)
             self._moved_bytes += sum(len(chunk.data) for chunk in chunks)
-            subject = self.bus.subjects.decode_kv(held.task.decode_id)
             for chunk in chunks:
-                await self.bus.publish(subject, chunk)
+                await self._publish_handoff(held, chunk)
 
         def settle(task: asyncio.Future[None]) -> None:
             if done.done():
@@ -289,38 +300,50 @@ class PrefillService:
             if held is None or held.cancelled:
                 continue
             if out.finish_reason == FinishReason.ERROR:
-                await self._fail_handed(held, ErrorType.INTERNAL, f"the engine failed on this request: {out.error}")
+                await self._fail_held(held, ErrorType.INTERNAL, f"the engine failed on this request: {out.error}")
                 continue
             try:
                 await asyncio.gather(*held.sends)
             except Exception as exc:
-                await self._fail_handed(held, ErrorType.KV_TRANSFER, f"sending KV failed: {exc}")
+                await self._fail_held(held, ErrorType.KV_TRANSFER, f"sending KV failed: {exc}")
                 continue
             await self._hand_off(held, out)
             if new_blocks is not None:
                 self.tasks.spawn(self._store_blocks(held, new_blocks), f"store-blocks-{out.request_id}")
 
     async def _hand_off(self, held: _Held, out: RequestOutput) -> None:
-        task, subjects = held.task, self.bus.subjects
-        first = StreamEvent(
-            task.request_id, 0, out.new_token_ids, out.new_text, out.finish_reason, out.num_prompt_tokens,
-            out.num_cached_tokens,
-        )
-        await self.bus.publish(subjects.stream(task.request_id), first)
-        if out.finished:  # done at the first token: decode drops the KV it got
-            await self.bus.publish(subjects.decode_run(task.decode_id), Cancel(task.request_id, "finished at prefill"))
+        """End the request's hand-off with its first token (decode streams it to the client), or, when the request
+        finished at that token, write its whole response here and close the hand-off."""
+        task = held.task
+        if out.finished:
+            await self.bus.publish(self.bus.subjects.stream(task.request_id), StreamEvent(
+                task.request_id, 0, out.new_token_ids, out.new_text, out.finish_reason, out.num_prompt_tokens,
+                out.num_cached_tokens,
+            ))
+            await self._close_handoff(held, "finished at prefill")
             log.info("finished at prefill", request_id=task.request_id, reason=out.finish_reason)
             return
         self._moved_tokens += len(task.prompt_ids)
         parts = [] if held.profile is None else profile_parts(task.request_id, held.profile, self._chunk_bytes)
-        for part in parts:  # after the KV chunks, on their subject
-            await self.bus.publish(subjects.decode_kv(task.decode_id), part)
-        await self.bus.publish(subjects.decode_run(task.decode_id), DecodeTask(
-            task.request_id, task.prompt_ids, out.new_token_ids[0], len(out.new_text), task.sampling,
-            held.num_chunks, out.num_cached_tokens, self.settings.instance_id, len(parts),
+        for part in parts:
+            await self._publish_handoff(held, part)
+        await self._publish_handoff(held, HandoffEnd(
+            task.request_id, out.new_token_ids[0], out.new_text, out.num_cached_tokens, len(parts)
         ))
+        held.is_handing_off = False
         log.info("prefilled", request_id=task.request_id, cached_tokens=out.num_cached_tokens,
                  ttft_s=round(time.time() - task.arrival_time, 4), kv_chunks=held.num_chunks)
+
+    async def _publish_handoff(self, held: _Held, msg: Message) -> None:
+        """One message of the request's hand-off stream (all on one subject, so decode gets them in order)."""
+        await self.bus.publish(self.bus.subjects.decode_handoff(held.task.decode_id), msg)
+
+    async def _close_handoff(self, held: _Held, reason: str) -> None:
+        """Close an open hand-off early: decode drops what it got and writes nothing (this instance told the
+        client)."""
+        if held.is_handing_off:
+            held.is_handing_off = False
+            await self._publish_handoff(held, Cancel(held.task.request_id, reason))
 
     async def _store_blocks(self, held: _Held, blocks: list[Payload]) -> None:
         """Off the critical path: put the prompt's new full blocks into the cache-store, in parts of whole layers (so
@@ -334,11 +357,10 @@ class PrefillService:
     def _flush_events(self) -> None:
         self.tasks.spawn(self._events_out.flush(), "kv-events")
 
-    async def _fail_handed(self, held: _Held, error_type: ErrorType, error: str) -> None:
-        """Fail a request whose KV may have started towards decode: decode drops what it got."""
+    async def _fail_held(self, held: _Held, error_type: ErrorType, error: str) -> None:
+        """Fail a request held here: its client hears, and decode drops whatever of its hand-off it got."""
         await self._fail(held.task.request_id, error_type, error)
-        cancel = Cancel(held.task.request_id, f"failed at prefill: {error}")
-        await self.bus.publish(self.bus.subjects.decode_run(held.task.decode_id), cancel)
+        await self._close_handoff(held, f"failed at prefill: {error}")
 
     async def _fail(self, request_id: str, error_type: ErrorType, error: str) -> None:
         log.warning("prefill failed", request_id=request_id, error_type=error_type, error=error)

@@ -1,7 +1,7 @@
 """Disaggregation, the engine's side: prompt KV out of a prefill engine (per layer, and as blocks for the
 cache-store) and into a decode engine (`add_prefilled`), in the form of the engine's KV store (`BlockFormat`), with
 FastGen's profile where the engine runs it. A mixin of `LLMEngine`; how KV travels is the wire's
-(`shared.wire.kv_transfer`), which the engine does not import.
+(`shared.wire.handoff`), which the engine does not import but for FastGen's profile.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from shared.engine.blocks import OutOfBlocks
 from shared.engine.kv.store import BlockFormat, KvStore, PromptKv, PromptLayerKv
 from shared.engine.sequence import Sequence
-from shared.fastgen.wire import PromptProfile
 from shared.model.tokenizer import IncrementalDetokenizer
+from shared.wire.handoff.profile import PromptProfile
 from shared.wire.payload import Payload
 from shared.wire.protocol import SamplingParams
 

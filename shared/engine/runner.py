@@ -22,9 +22,7 @@ from shared.model.llama import Llama, build_model
 
 
 class Runner(Protocol):
-    """What the engine needs of a runner: the KV store, the sampler's per-request state, and one step."""
-
-    sampler: Sampler
+    """What the engine needs of a runner: the KV store, the request's end, and one step."""
 
     @property
     def store(self) -> KvStore: ...
@@ -35,7 +33,7 @@ class Runner(Protocol):
         ...
 
     def forget(self, request_id: str) -> None:
-        """The request is finished or aborted: drop its per-request state."""
+        """The request is finished or aborted: release its KV."""
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
@@ -88,11 +86,10 @@ class ModelRunner:
                 return {}
             logits = self.model.compute_logits(hidden[self._tensor(rows)])
             self._suppress_early_eos(logits, seqs)
-        tokens = self.sampler.sample(logits, [s.request_id for s in seqs], [s.params for s in seqs])
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
         return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
 
     def forget(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
         self.store.release(request_id)
 
     def _suppress_early_eos(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

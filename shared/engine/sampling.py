@@ -22,39 +22,42 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw of output token `position` (0: the first): a function of the
+    two alone (splitmix64), so that any engine draws any position of a request alike, whichever drew the ones before
+    (prefill the first token, decode the rest)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits
+
+
 class Sampler:
-    """Picks one token per row. Seeded requests keep a private generator across steps."""
+    """Picks one token per row. A seeded request's draw depends only on its seed and the token's position."""
 
     def __init__(self) -> None:
-        self._generators: dict[object, torch.Generator] = {}
         self._default = torch.Generator()
         self._default.seed()
+        self._seeded = torch.Generator()
 
-    def forget(self, request_id: object) -> None:
-        """Drop a finished request's generator."""
-        self._generators.pop(request_id, None)
-
-    def _generator(self, request_id: object, params: SamplingParams) -> torch.Generator:
+    def _generator(self, params: SamplingParams, position: int) -> torch.Generator:
         if params.seed is None:
             return self._default
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed)
-            self._generators[request_id] = gen
-        return gen
+        return self._seeded.manual_seed(draw_seed(params.seed, position))
 
-    def sample(
-        self, logits: torch.Tensor, request_ids: list[object], params: list[SamplingParams]
-    ) -> list[int]:
-        """logits: [batch, vocab] fp32 on any device -> one token id per row."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+        """logits: [batch, vocab] fp32 on any device -> one token id per row; `positions`: each row's output token
+        index (how many output tokens its request has before this one)."""
         greedy = logits.argmax(dim=-1).tolist()
         out: list[int] = []
-        for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
+        for row, (p, position) in enumerate(zip(params, positions, strict=True)):
             if p.is_greedy:
                 out.append(greedy[row])
                 continue
             filtered = _filter_top_k_top_p(logits[row].float().cpu() / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(filtered, dim=-1)
-            out.append(int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)).item()))
+            out.append(int(torch.multinomial(probs, 1, generator=self._generator(p, position)).item()))
         return out

@@ -17,7 +17,6 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.kv.sized import SizedKvStore
 from shared.engine.kv.store import LayerCallback
-from shared.engine.sampling import Sampler
 from shared.model.checkpoint import Checkpoint
 from shared.sim.cost import StepWork, step_time
 from shared.sim.manifest import sim_manifest
@@ -58,7 +57,6 @@ class SimRunner:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
         blocks = BlockManager(num_blocks, config.block_size, namespace)
         self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs)
-        self.sampler = Sampler()
         self.last_step_s = 0.0  # the predicted time of the last step
         self._last_end = -math.inf  # perf_counter() when the last step ended
 
@@ -67,7 +65,7 @@ class SimRunner:
         return self.store.max_num_seqs
 
     def forget(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
+        self.store.release(request_id)
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,

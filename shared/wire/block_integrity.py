@@ -13,7 +13,7 @@ import struct
 from shared.wire.protocol import BlockPart, BlockPut
 
 TAG_BYTES = 16
-_PLACE = struct.Struct("<QIIQ")  # block hash, part, number of parts, raw size
+_PLACE = struct.Struct("<QIIQ")  # block hash, seq, total (number of parts), raw size
 
 
 class BlockSigner:
@@ -30,16 +30,16 @@ class BlockSigner:
     def is_keyed(self) -> bool:
         return self._key is not None
 
-    def tag(self, block_hash: int, part: int, num_parts: int, codec: str, raw_size: int, data: bytes) -> bytes:
+    def tag(self, block_hash: int, seq: int, total: int, codec: str, raw_size: int, data: bytes) -> bytes:
         """The part's tag (b"" without a key)."""
         if self._key is None:
             return b""
-        place = _PLACE.pack(block_hash, part, num_parts, raw_size) + codec.encode() + b"\0"
+        place = _PLACE.pack(block_hash, seq, total, raw_size) + codec.encode() + b"\0"
         return hmac.new(self._key, place + data, hashlib.sha256).digest()[:TAG_BYTES]
 
     def verifies(self, part: BlockPut | BlockPart) -> bool:
         """The part's tag is this key's for its hash, place and bytes (always, without a key)."""
         if self._key is None:
             return True
-        expected = self.tag(part.block_hash, part.part, part.num_parts, part.codec, part.raw_size, part.data)
+        expected = self.tag(part.block_hash, part.seq, part.total, part.codec, part.raw_size, part.data)
         return hmac.compare_digest(expected, part.tag)

@@ -16,7 +16,8 @@ import nats.errors
 from shared.wire.block_integrity import BlockSigner
 from shared.wire.bus import Bus, BusError
 from shared.wire.log import get_logger
-from shared.wire.payload import Payload, PayloadError, checksum, compress, decompress, join, split
+from shared.wire.parts import PartAssembly, PartError, cut_payload, shuffle_width
+from shared.wire.payload import Payload, join
 from shared.wire.protocol import Ack, BlockGet, BlockHas, BlockHasReply, BlockPart, BlockPut, Message
 
 log = get_logger(__name__)
@@ -24,31 +25,46 @@ T = TypeVar("T", bound=Message)
 
 _ENVELOPE_BYTES = 4096  # room for the msgpack envelope and NATS headers around a part's data
 # Blocks carry no dtype, so parts are byte-shuffled with one fixed element width that every client agrees on; a width
-# of 4 groups the exponent bytes of fp32 and of fp16/bf16 alike. A part whose size is not a multiple uses width 1.
+# of 4 groups the exponent bytes of fp32 and of fp16/bf16 alike. A part whose size is not a multiple uses width 1
+# (`shared.wire.parts.shuffle_width`).
 SHUFFLE_ITEMSIZE = 4
 HOT_GETS = 4  # a block this client fetched this often from its owner shard is copied to the replica shard
 _HOT_ENTRIES = 4096  # hashes whose get counts are remembered
 _REFUSED_ENTRIES = 4096  # hashes whose stored copy failed its check, to be replaced by the next put
 
 
-def _itemsize(raw_size: int) -> int:
-    return SHUFFLE_ITEMSIZE if raw_size % SHUFFLE_ITEMSIZE == 0 else 1
-
-
 def split_block(
-    block_hash: int, data: Payload, part_bytes: int, signer: BlockSigner | None = None, replace: bool = False
+    block_hash: int, data: Payload, part_bytes: int, signer: BlockSigner | None = None, replace: bool = False,
+    align_bytes: int = 1,
 ) -> list[BlockPut]:
-    """The block as `BlockPut` parts, each carrying at most `part_bytes` of data (at least one part) and its tag; a
-    size-only block becomes size-only parts. `replace` asks the store to put these over the copy it holds."""
+    """The block as `BlockPut` parts, each carrying at most `part_bytes` raw bytes (at least one part) and its tag; a
+    size-only block is one size-only part. Where a unit of `align_bytes` fits in a part, parts hold whole units.
+    `replace` asks the store to put these over the copy it holds."""
     signer = signer or BlockSigner(None)
-    chunks = split(data, part_bytes)
-    parts = []
-    for index, raw in enumerate(chunks):
-        codec, payload = compress(raw, _itemsize(len(raw)))
-        tag = signer.tag(block_hash, index, len(chunks), codec, len(raw), payload)
-        parts.append(BlockPut(block_hash, index, len(chunks), codec, len(raw), checksum(payload), payload, tag,
-                              replace and index == 0))
-    return parts
+    bodies = cut_payload(data, part_bytes, SHUFFLE_ITEMSIZE, align_bytes)
+    total = len(bodies)
+    return [
+        BlockPut(block_hash, seq, total, **body.fields(),
+                 tag=signer.tag(block_hash, seq, total, body.codec, body.raw_size, body.data),
+                 replace=replace and seq == 0)
+        for seq, body in enumerate(bodies)
+    ]
+
+
+def block_shuffle_width(part: BlockPut | BlockPart) -> int:
+    """The width a block part's bytes are shuffled by: `SHUFFLE_ITEMSIZE`, or 1 for a part not of whole elements."""
+    return shuffle_width(part.raw_size, SHUFFLE_ITEMSIZE)
+
+
+def _fetch(block_hash: int, total: int) -> PartAssembly[BlockPart]:
+    """Verifies and decodes one fetch of a block's `total` parts (a found `BlockPart` has at least one)."""
+    return PartAssembly(
+        f"block {block_hash:#x}", total, lambda part: {"block_hash": part.block_hash}, block_shuffle_width
+    )
+
+
+def _joined(fetch: PartAssembly[BlockPart]) -> Payload:
+    return join([raw for _, raw in fetch.pieces()])
 
 
 # ---- the client ----------------------------------------------------------------------------------------------
@@ -104,7 +120,7 @@ class CacheClient:
         """
         replace = block_hash in self._refused
         self._refused.pop(block_hash, None)
-        parts = split_block(block_hash, data, self._part_bytes(align_bytes), self.signer, replace)
+        parts = split_block(block_hash, data, self._part_bytes(), self.signer, replace, align_bytes)
         stored = await asyncio.gather(*(self._put_on(shard, parts) for shard in self.shards_of(block_hash, replicas)))
         return any(stored)
 
@@ -130,29 +146,30 @@ class CacheClient:
         if first is None and self.num_shards > 1:
             shard = self.replica_of(block_hash)
             first = await self._get_part(shard, block_hash, 0)
-        raw = None if first is None else self._verified(block_hash, 0, first.num_parts, first)
-        if first is None or raw is None:
+        if first is None:
             return
-        raws = [raw]
+        fetch = _fetch(block_hash, first.total)
+        raw = self._verified(fetch, block_hash, 0, first)
+        if raw is None:
+            return
         yield raw
         in_flight: deque[tuple[int, asyncio.Task[BlockPart | None]]] = deque()
-        next_part = 1
+        next_seq = 1
         try:
-            while next_part < first.num_parts or in_flight:
-                while next_part < first.num_parts and len(in_flight) < window:
-                    in_flight.append((next_part, asyncio.ensure_future(self._get_part(shard, block_hash, next_part))))
-                    next_part += 1
-                index, task = in_flight.popleft()
-                raw = self._verified(block_hash, index, first.num_parts, await task)
+            while next_seq < fetch.total or in_flight:
+                while next_seq < fetch.total and len(in_flight) < window:
+                    in_flight.append((next_seq, asyncio.ensure_future(self._get_part(shard, block_hash, next_seq))))
+                    next_seq += 1
+                seq, task = in_flight.popleft()
+                raw = self._verified(fetch, block_hash, seq, await task)
                 if raw is None:
                     return
-                raws.append(raw)
                 yield raw
         finally:
             for _, task in in_flight:
                 task.cancel()
         if shard == self.shard_of(block_hash):
-            self._count_owner_get(block_hash, join(raws))
+            self._count_owner_get(block_hash, _joined(fetch))
 
     async def has_blocks(self, hashes: list[int]) -> list[bool]:
         """Which of `hashes` are stored on their owner or replica shard (one request per shard and round)."""
@@ -176,9 +193,8 @@ class CacheClient:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _part_bytes(self, align_bytes: int = 1) -> int:
-        part_bytes = max(1, min(self.part_bytes, self.bus.max_payload - _ENVELOPE_BYTES))
-        return part_bytes // align_bytes * align_bytes or part_bytes
+    def _part_bytes(self) -> int:
+        return max(1, min(self.part_bytes, self.bus.max_payload - _ENVELOPE_BYTES))
 
     async def _put_on(self, shard: int, parts: list[BlockPut]) -> bool:
         subject = self.bus.subjects.cache_put(shard)
@@ -193,14 +209,12 @@ class CacheClient:
         first = await self._get_part(shard, block_hash, 0)
         if first is None:
             return None
-        rest = await asyncio.gather(*(self._get_part(shard, block_hash, i) for i in range(1, first.num_parts)))
-        raws: list[Payload] = []
-        for index, part in enumerate([first, *rest]):
-            raw = self._verified(block_hash, index, first.num_parts, part)
-            if raw is None:
+        fetch = _fetch(block_hash, first.total)
+        rest = await asyncio.gather(*(self._get_part(shard, block_hash, seq) for seq in range(1, fetch.total)))
+        for seq, part in enumerate([first, *rest]):
+            if self._verified(fetch, block_hash, seq, part) is None:
                 return None
-            raws.append(raw)
-        return join(raws)
+        return _joined(fetch)
 
     def _count_owner_get(self, block_hash: int, data: Payload) -> None:
         """Count a fetch from the owner; at `hot_gets` copy the block to its replica shard (once)."""
@@ -225,34 +239,41 @@ class CacheClient:
         if await self._put_on(replica, split_block(block_hash, data, self._part_bytes(), self.signer)):
             log.info("copied a hot block to its replica shard", block_hash=block_hash, shard=replica)
 
-    async def _get_part(self, shard: int, block_hash: int, part: int) -> BlockPart | None:
+    async def _get_part(self, shard: int, block_hash: int, seq: int) -> BlockPart | None:
         subject = self.bus.subjects.cache_get(shard)
-        reply = await self._ask(subject, BlockGet(block_hash, part), BlockPart)
+        reply = await self._ask(subject, BlockGet(block_hash, seq), BlockPart)
         if reply is not None and not reply.found:
-            log.debug("cache miss", block_hash=block_hash, part=part, shard=shard)
+            log.debug("cache miss", block_hash=block_hash, part=seq, shard=shard)
             return None
         return reply
 
-    def _verified(self, block_hash: int, index: int, num_parts: int, part: BlockPart | None) -> Payload | None:
-        why = ""
-        if part is None:
-            why = "missing part"
-        elif part.block_hash != block_hash or part.part != index or not 1 <= part.num_parts == num_parts:
-            why = f"part {part.part}/{part.num_parts} of {part.block_hash:#x} answered for {index}/{num_parts}"
-        elif checksum(part.data) != part.checksum:
-            why = "checksum mismatch"
-        elif not self.signer.verifies(part):
-            why = "tag mismatch: not put with this deployment's block key, or relabelled"
-        if why or part is None:
-            log.warning("cache get refused a block", block_hash=block_hash, part=index, reason=why)
+    def _verified(
+        self, fetch: PartAssembly[BlockPart], block_hash: int, seq: int, part: BlockPart | None
+    ) -> Payload | None:
+        """Part `seq` of the block, verified and decoded by `fetch`; None (logged) when it is missing or refused.
+
+        A refused part that answers for this hash marks the stored copy bad (`_refuse`)."""
+        try:
+            return fetch.add(self._answering(block_hash, seq, part))
+        except PartError as exc:
+            log.warning("cache get refused a block", block_hash=block_hash, part=seq, reason=str(exc))
             if part is not None and part.block_hash == block_hash:
                 self._refuse(block_hash)
             return None
-        try:
-            return decompress(part.codec, part.data, part.raw_size, _itemsize(part.raw_size))
-        except PayloadError as exc:
-            log.warning("cache get refused a block", block_hash=block_hash, part=index, reason=str(exc))
-            return None
+
+    def _answering(self, block_hash: int, seq: int, part: BlockPart | None) -> BlockPart:
+        """`part`, when it is part `seq` of this block under this deployment's block key.
+
+        Raises:
+            PartError: no part, another block's or another seq's, or a tag that does not verify.
+        """
+        if part is None:
+            raise PartError("missing part")
+        if part.block_hash != block_hash or part.seq != seq:
+            raise PartError(f"part {part.seq}/{part.total} of {part.block_hash:#x} answered for part {seq}")
+        if not self.signer.verifies(part):
+            raise PartError("tag mismatch: not put with this deployment's block key, or relabelled")
+        return part
 
     def _refuse(self, block_hash: int) -> None:
         """Remember that the stored copy is bad: the next put of this block replaces it."""

@@ -56,14 +56,14 @@ def permissions(role: str, subjects: Subjects) -> Permissions:
             responds=True,
         ),
         Role.PREFILL: Permissions(
-            publish=(f"{p}.decode.*.kv", f"{p}.decode.*.run", f"{p}.stream.*", f"{p}.kv.events.{role}.*", beats_of,
+            publish=(f"{p}.decode.*.handoff", f"{p}.stream.*", f"{p}.kv.events.{role}.*", beats_of,
                      f"{p}.cache.*.put", f"{p}.cache.*.get", f"{p}.cache.*.has"),
             subscribe=(f"{p}.prefill.*.run", f"{p}.cancel", f"{p}.snapshot.{role}.*"),
             responds=True,
         ),
         Role.DECODE: Permissions(
             publish=(f"{p}.stream.*", beats_of),
-            subscribe=(f"{p}.decode.*.kv", f"{p}.decode.*.run", f"{p}.cancel"),
+            subscribe=(f"{p}.decode.*.handoff", f"{p}.decode.*.run", f"{p}.cancel"),
             responds=False,
         ),
         Role.CACHE_STORE: Permissions(

@@ -1,7 +1,7 @@
-"""How payload bytes travel (KV chunks, cache-store block parts): the xxh3 checksum, byte-shuffle + LZ4 when it pays,
-and size-only payloads, which carry no bytes but the size they stand for (the sim engine's KV).
+"""How payload bytes are coded (every part of `shared.wire.parts`): the xxh3 checksum, byte-shuffle + LZ4 when it
+pays, and size-only payloads, which carry no bytes but the size they stand for (the sim engine's KV).
 
-It knows nothing of tensors, chunks or blocks: callers split and frame the bytes.
+It knows nothing of tensors, chunks or blocks: `shared.wire.parts` cuts and frames the bytes.
 """
 
 from __future__ import annotations
@@ -40,15 +40,6 @@ def join(parts: list[Payload]) -> Payload:
     if all(isinstance(p, bytes) for p in parts):
         return b"".join(parts)  # type: ignore[arg-type]
     return SizeOnly(sum(len(p) for p in parts))
-
-
-def split(payload: Payload, part_bytes: int) -> list[Payload]:
-    """`payload` in pieces of at most `part_bytes` (at least one piece, possibly empty); a size-only payload stays
-    whole, as it has no bytes to bound."""
-    n = len(payload)
-    if isinstance(payload, SizeOnly):
-        return [payload]
-    return [payload[i : i + part_bytes] for i in range(0, n, part_bytes)] or [b""]
 
 
 def checksum(data: bytes) -> int:

@@ -11,8 +11,7 @@ import pytest
 from shared.engine.engine import LLMEngine, PrefilledRequest
 from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.kv.store import PromptKv, PromptLayerKv
-from shared.wire.kv_transfer.chunks import KvAssembly
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import KvAssembly, assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -14,13 +14,16 @@ from shared.wire.protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
 
 
 def _prompt(engine: LLMEngine) -> list[int]:
     return engine.tokenizer.encode("The moon festival is celebrated in autumn, when families gather to " * 3)
 
 
-def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[PromptKv, int, str, list[int]]:
+def _prefill(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY
+) -> tuple[PromptKv, int, str, list[int]]:
     """Run the prompt, capturing each layer's KV as the hook announces it; returns (kv, first token, text, order)."""
     layers: dict[int, PromptLayerKv] = {}
     order: list[int] = []
@@ -30,7 +33,7 @@ def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[Pro
         order.append(layer_idx)
         layers[layer_idx] = engine.read_prompt_kv(request_id, layer_idx)
 
-    engine.add_request(request_id, prompt, GREEDY)
+    engine.add_request(request_id, prompt, params)
     outputs = engine.step(on_layer)
     (out,) = outputs
     engine.abort(request_id)
@@ -38,13 +41,16 @@ def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[Pro
     return kv, out.new_token_ids[0], out.new_text, order
 
 
-def test_prefill_here_decode_there_equals_one_engine(make_engine) -> None:
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_here_decode_there_equals_one_engine(make_engine, params: SamplingParams) -> None:
+    """Seeded sampling too: a draw depends on the seed and the token's position alone, so decode continues the
+    sequence one engine would have drawn, with the very parameters prefill had."""
     prefill, decode, whole = make_engine(), make_engine(), make_engine()
     prompt = _prompt(prefill)
-    (expected,) = whole.generate([prompt], GREEDY)
-    kv, first, text, order = _prefill(prefill, "r1", prompt)
+    (expected,) = whole.generate([prompt], params)
+    kv, first, text, order = _prefill(prefill, "r1", prompt, params)
     assert order == list(range(prefill.model_config.num_layers))  # every layer, in order, during the pass
-    decode.add_prefilled(PrefilledRequest("r1", prompt, first, len(text), GREEDY, kv))
+    decode.add_prefilled(PrefilledRequest("r1", prompt, first, len(text), params, kv))
     tokens, pieces = [first], [text]
     while decode.has_unfinished():
         for out in decode.step():

@@ -53,7 +53,7 @@ async def _watch(system: System, subject: str) -> tuple[Bus, list[str]]:
     seen: list[str] = []
 
     async def on(msg) -> None:  # noqa: ANN001
-        seen.append(msg.subject.split(".")[2])  # tsukimi.<role>.<instance>.run
+        seen.append(msg.subject.split(".")[2])  # tsukimi.<role>.<instance>.run (or .handoff)
 
     await bus.client.subscribe(subject, cb=on)
     await bus.client.flush()
@@ -98,14 +98,14 @@ async def test_overload_is_refused_early_and_the_accepted_are_served(system: Sys
 
 
 async def test_a_killed_decode_fails_its_request_and_the_others_go_on(system: System) -> None:
-    bus, decodes = await _watch(system, "tsukimi.decode.*.run")
+    bus, decodes = await _watch(system, "tsukimi.decode.*.handoff")
     async with aiohttp.ClientSession() as session:
         body = _chat("Tell me a long story about the sea.", max_tokens=1000, ignore_eos=True, stream=True)
         async with session.post(system.base_url + "/v1/chat/completions", json=body) as response:
             lines = response.content.__aiter__()
             for _ in range(4):
                 await lines.__anext__()
-            while not decodes:  # the DecodeTask follows the first token
+            while not decodes:  # the hand-off stream opened before the first token
                 await asyncio.sleep(0.02)
             victim = decodes[-1]
             os.kill(system.service_pids()[victim], signal.SIGKILL)

@@ -23,13 +23,14 @@ from shared.engine.kv.paged.store import prompt_layer_of
 from shared.engine.kv.store import BlockFormat
 from shared.wire.bus import Bus
 from shared.wire.cache_client import split_block
-from shared.wire.kv_transfer.prompt import chunk_prompt_layer
+from shared.wire.handoff.prompt import chunk_prompt_layer
 from shared.wire.protocol import (
     BlockGet,
     BlockHas,
     Cancel,
-    DecodeTask,
     ExpectHandoff,
+    HandoffEnd,
+    HandoffStart,
     Heartbeat,
     KvChunk,
     KvEvent,
@@ -80,7 +81,7 @@ def _subjects(s: Subjects) -> list[str]:
     for instance in INSTANCES["prefill"]:
         names.append(s.prefill_run(instance))
     for instance in INSTANCES["decode"]:
-        names += [s.decode_run(instance), s.decode_kv(instance)]
+        names += [s.decode_run(instance), s.decode_handoff(instance)]
     return names
 
 
@@ -139,9 +140,9 @@ def _valid(rng: random.Random, subject: str, subjects: Subjects) -> Message:
         ".sched.submit": [SubmitRequest(request_id, prompt, hashes, sampling, time.time())],
         ".prefill.": [PrefillTask(request_id, prompt, hashes, sampling, rng.choice(INSTANCES["decode"]), time.time())],
         ".run": [ExpectHandoff(request_id, rng.choice(INSTANCES["prefill"]), len(prompt)),
-                 DecodeTask(request_id, prompt, prompt[0], 0, sampling, rng.randint(1, 60), 0, "prefill-0"),
                  PrefillTask(request_id, prompt, hashes, sampling, "decode-0", time.time())],
-        ".kv": _kv_chunks(request_id, len(prompt))[:1],
+        ".handoff": [HandoffStart(request_id, prompt, sampling, "prefill-0", rng.randint(1, 60)),
+                     *_kv_chunks(request_id, len(prompt))[:1], HandoffEnd(request_id, prompt[0], "forged", 0)],
         ".stream.": [StreamEvent(request_id, rng.randint(0, 3), prompt[:2], "forged")],
         ".cancel": [Cancel(request_id, "fuzz")],
         ".get": [BlockGet(rng.getrandbits(64))],

@@ -31,7 +31,7 @@ def test_a_tag_binds_the_bytes_to_their_hash_and_place() -> None:
     [part] = split_block(7, b"kv of block seven" * 100, 1 << 20, signer)
     assert len(part.tag) == TAG_BYTES and signer.verifies(part)
     for changed in (dataclasses.replace(part, block_hash=8), dataclasses.replace(part, data=part.data[:-1] + b"!"),
-                    dataclasses.replace(part, part=1, num_parts=2), dataclasses.replace(part, tag=b""),
+                    dataclasses.replace(part, seq=1, total=2), dataclasses.replace(part, tag=b""),
                     dataclasses.replace(part, codec="raw" if part.codec != "raw" else "lz4"),
                     dataclasses.replace(part, raw_size=part.raw_size + 1)):
         assert not signer.verifies(changed)

@@ -42,7 +42,7 @@ async def all_parts(client: CacheClient, block_hash: int) -> list[Payload]:
 
 def test_a_size_only_block_is_one_size_only_part_that_counts_its_size() -> None:
     (part,) = split_block(5, SizeOnly(10 * GIB), part_bytes=256 << 10)
-    assert (part.codec, part.raw_size, part.data, part.num_parts) == (CODEC_SIZE_ONLY, 10 * GIB, b"", 1)
+    assert (part.codec, part.raw_size, part.data, part.total) == (CODEC_SIZE_ONLY, 10 * GIB, b"", 1)
     assert part.checksum == checksum(b"")
     assert part_size(part) == 10 * GIB
     real = split_block(6, b"x" * 1000, part_bytes=400)

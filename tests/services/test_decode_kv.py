@@ -1,6 +1,7 @@
-"""The decode service on a real nats-server and the real model: complete KV streams decode; a corrupt chunk fails
-its request at once, a missing chunk after the deadline; a FastGen profile that follows the KV is waited for, and a
-corrupt one fails its request; a cancel shrinks the batch; the others keep being served."""
+"""The decode service on a real nats-server and the real model, fed hand-off streams as prefill sends them: a whole
+stream decodes, its first token streamed by decode; a corrupt chunk fails its request at once, a chunk lost on the way
+at the stream's end, a stream that stops after the deadline; a FastGen profile travels in the stream, a corrupt one
+fails its request; a cancel shrinks the batch; the others keep being served."""
 
 from __future__ import annotations
 
@@ -17,17 +18,18 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.kv.paged.store import prompt_layer_of
 from shared.engine.kv.store import BlockFormat
-from shared.fastgen.wire import PromptProfile, profile_parts
 from shared.wire.bus import Bus
-from shared.wire.kv_transfer.prompt import chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.profile import PromptProfile, profile_parts
+from shared.wire.handoff.prompt import chunk_prompt_layer, num_prompt_chunks
 from shared.wire.protocol import (
     Cancel,
-    DecodeTask,
     ErrorType,
-    ExpectHandoff,
     FastGenProfilePart,
+    HandoffEnd,
+    HandoffStart,
     Heartbeat,
     KvChunk,
+    Message,
     PrefillTask,
     SamplingParams,
     StreamEvent,
@@ -79,17 +81,21 @@ class Client:
 
     async def send(
         self, request_id: str, chunks: list[KvChunk], max_tokens: int = 4, profile: Sequence[FastGenProfilePart] = (),
-        num_profile_parts: int | None = None,
+        num_profile_parts: int | None = None, num_kv_chunks: int | None = None, end: bool = True,
     ) -> None:
-        """The chunks, then the profile parts, then the task (which announces `num_profile_parts`, default all)."""
+        """A hand-off stream: its start (announcing `num_kv_chunks`, default all), the chunks, the profile parts, then
+        (if `end`) its end (announcing `num_profile_parts`, default all)."""
         await self.listen(request_id)
-        for message in [*chunks, *profile]:
-            await self.bus.publish(self.bus.subjects.decode_kv("d0"), message)
+        start = HandoffStart(request_id, list(range(100, 100 + NUM_PROMPT)),
+                             SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), "p0",
+                             len(chunks) if num_kv_chunks is None else num_kv_chunks)
         parts = len(profile) if num_profile_parts is None else num_profile_parts
-        task = DecodeTask(request_id, list(range(100, 100 + NUM_PROMPT)), 7, 0,
-                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), len(chunks), 0, "p0",
-                          parts)
-        await self.bus.publish(self.bus.subjects.decode_run("d0"), task)
+        stream = [start, *chunks, *profile] + ([HandoffEnd(request_id, 7, "seven", 0, parts)] if end else [])
+        await self.publish(*stream)
+
+    async def publish(self, *messages: Message) -> None:
+        for message in messages:
+            await self.bus.publish(self.bus.subjects.decode_handoff("d0"), message)
 
     def profile(self, request_id: str) -> list[FastGenProfilePart]:
         cfg = self.cfg
@@ -112,34 +118,38 @@ async def client(nats_url: str, checkpoint, service: DecodeService) -> AsyncIter
     await bus.drain()
 
 
-async def test_good_corrupt_and_missing_streams(service: DecodeService, client: Client) -> None:
+async def test_good_corrupt_lost_and_stalled_streams(service: DecodeService, client: Client) -> None:
     good = client.chunks("good")
     assert len(good) > 30  # several chunks per layer
     corrupt = client.chunks("corrupt")
     corrupt[5] = dataclasses.replace(corrupt[5], data=bytes([corrupt[5].data[0] ^ 1]) + corrupt[5].data[1:])
-    missing = client.chunks("missing")
-    del missing[17]
+    lost = client.chunks("lost")
     await client.send("corrupt", corrupt)
-    await client.send("missing", missing)
+    await client.send("lost", lost[:17] + lost[18:], num_kv_chunks=len(lost))
+    await client.send("stalled", client.chunks("stalled")[:9], num_kv_chunks=len(lost), end=False)
     await client.send("good", good)
     done = await client.wait_done("good")
-    assert [e.index for e in done] == [1, 2, 3] and done[-1].finish_reason == "length"
+    assert [e.index for e in done] == [0, 1, 2, 3] and done[-1].finish_reason == "length"
+    assert done[0].token_ids == [7] and done[0].text == "seven"  # the first token, as prefill sampled it
     (failure,) = await client.wait_done("corrupt")
     assert failure.error_type == ErrorType.KV_TRANSFER and "checksum" in failure.error and "5" in failure.error
-    (stalled,) = await client.wait_done("missing", timeout_s=5)
-    assert stalled.error_type == ErrorType.KV_TRANSFER and "missing" in stalled.error
-    # Still serving after both failures.
+    (missing,) = await client.wait_done("lost")  # at the stream's end, not after the deadline
+    assert missing.error_type == ErrorType.KV_TRANSFER and "1 of" in missing.error and "(17)" in missing.error
+    (stalled,) = await client.wait_done("stalled", timeout_s=5)
+    assert stalled.error_type == ErrorType.KV_TRANSFER and "stalled" in stalled.error and "missing" in stalled.error
+    # Still serving after the failures.
     await client.send("after", client.chunks("after"))
     assert (await client.wait_done("after"))[-1].finish_reason == "length"
-    assert len(service.receiver) == 0 and not service._waiting
+    assert len(service.receiver) == 0 and not service._assembling
 
 
-async def test_a_profile_following_the_kv_is_awaited_and_a_corrupt_one_fails(
+async def test_a_profile_travels_in_the_stream_and_a_corrupt_or_short_one_fails(
     service: DecodeService, client: Client
 ) -> None:
     profile = client.profile("profiled")
     assert len(profile) > 1
-    await client.send("late", client.chunks("late"), num_profile_parts=len(profile))  # the parts never come
+    await client.send("short", client.chunks("short"), profile=client.profile("short")[:-1],
+                      num_profile_parts=len(profile))  # a part lost on the way
     await client.send("profiled", client.chunks("profiled"), profile=profile)
     assert (await client.wait_done("profiled"))[-1].finish_reason == "length"
     bad = client.profile("bad")
@@ -147,11 +157,9 @@ async def test_a_profile_following_the_kv_is_awaited_and_a_corrupt_one_fails(
     await client.send("bad", client.chunks("bad"), profile=bad)
     (failure,) = await client.wait_done("bad")
     assert failure.error_type == ErrorType.KV_TRANSFER and "checksum" in failure.error
-    (stalled,) = await client.wait_done("late", timeout_s=5)
-    assert stalled.error_type == ErrorType.KV_TRANSFER and "not taken" in stalled.error
-    await client.bus.publish(client.bus.subjects.decode_kv("d0"), client.profile("late")[0])  # after the failure
-    await asyncio.sleep(0.3)
-    assert service.profiles.num_received("late") == 0 and service.profiles.num_received("bad") == 0
+    (short,) = await client.wait_done("short")
+    assert short.error_type == ErrorType.KV_TRANSFER and "profile parts arrived" in short.error
+    assert len(service.receiver) == 0
 
 
 async def test_cancel_shrinks_the_batch(service: DecodeService, client: Client) -> None:
@@ -192,7 +200,8 @@ async def test_a_prompt_sent_to_decode_is_prefilled_there(service: DecodeService
 
 async def test_a_cancel_it_did_not_send_reaches_the_client(service: DecodeService, client: Client) -> None:
     """A broadcast cancel (the scheduler's, after an instance died, say) ends the request with an error event: the
-    client is told, not left to time out. One from the prefill instance (finished there) says nothing."""
+    client is told, not left to time out. A stream that prefill closes early (finished there) gets nothing from
+    decode, and its late chunks do not reopen it."""
     await client.send("cut", client.chunks("cut"), max_tokens=200)
     for _ in range(100):
         if service.load().num_running == 1:
@@ -201,42 +210,31 @@ async def test_a_cancel_it_did_not_send_reaches_the_client(service: DecodeServic
     await client.bus.publish(client.bus.subjects.cancel, Cancel("cut", "prefill-0 stopped responding"))
     events = await client.wait_done("cut")
     assert events[-1].error_type == ErrorType.UNAVAILABLE and "prefill-0 stopped responding" in events[-1].error
-    await client.listen("done-at-prefill")
-    for chunk in client.chunks("done-at-prefill"):
-        await client.bus.publish(client.bus.subjects.decode_kv("d0"), chunk)
+    chunks = client.chunks("done-at-prefill")
+    await client.send("done-at-prefill", chunks[:5], num_kv_chunks=len(chunks), end=False)
     await _until(lambda: "done-at-prefill" in service.receiver)
-    await client.bus.publish(client.bus.subjects.decode_run("d0"), Cancel("done-at-prefill", "finished at prefill"))
-    await _until(lambda: "done-at-prefill" not in service.receiver)
+    await client.publish(Cancel("done-at-prefill", "finished at prefill"), *chunks[5:])
+    await _until(lambda: "done-at-prefill" not in service.receiver and service.receiver.is_closed("done-at-prefill"))
     await service.bus.client.flush()  # what decode published for it is at the server, before our barrier below
     barrier = StreamEvent("done-at-prefill", 0, [], "barrier")
     await client.bus.publish(client.bus.subjects.stream("done-at-prefill"), barrier)
     await _until(lambda: bool(client.events.get("done-at-prefill")))  # the barrier: decode sent nothing before it
-    assert len(client.events["done-at-prefill"]) == 1
+    assert len(client.events["done-at-prefill"]) == 1 and "done-at-prefill" not in service.receiver
 
 
-async def test_a_decode_task_with_no_kv_and_no_announcement_fails_at_once(
-    service: DecodeService, client: Client
-) -> None:
-    await client.listen("ghost")
-    ghost = DecodeTask("ghost", [1, 2, 3], 7, 0, SamplingParams(max_tokens=2), 5, 0, "p0")
-    await client.bus.publish(client.bus.subjects.decode_run("d0"), ghost)
-    events = await client.wait_done("ghost")
-    # at once, not after the KV deadline (whose error says "no KV chunk arrived")
-    assert events[-1].error_type == ErrorType.KV_TRANSFER and "not told to expect it" in events[-1].error
-    await client.bus.publish(client.bus.subjects.decode_run("d0"), ExpectHandoff("slow", "p0", NUM_PROMPT))
-    await client.listen("slow")
-    await client.bus.publish(client.bus.subjects.decode_run("d0"), dataclasses.replace(ghost, request_id="slow"))
-    # announced, its KV never comes: the KV deadline (1 s here) fails it
-    events = await client.wait_done("slow", timeout_s=5.0)
-    assert "no KV chunk arrived" in events[-1].error
-
-
-async def test_profile_parts_of_no_stream_are_not_kept(service: DecodeService, client: Client) -> None:
-    for part in client.profile("stranger"):
-        await client.bus.publish(client.bus.subjects.decode_kv("d0"), part)
-    await client.bus.publish(client.bus.subjects.decode_kv("d0"), client.chunks("marker")[0])  # after them, in order
-    await _until(lambda: "marker" in service.receiver)
-    assert service.profiles.num_received("stranger") == 0
+async def test_parts_of_a_stream_that_never_started_fail_at_once(service: DecodeService, client: Client) -> None:
+    """A chunk, a profile part or an end with no start before it (the start was lost): the request fails at once,
+    and the rest of that stream is ignored."""
+    for request_id, message in (("ghost-kv", client.chunks("ghost-kv")[0]), ("ghost-profile",
+                                client.profile("ghost-profile")[0]), ("ghost-end", HandoffEnd("ghost-end", 7, "", 0))):
+        await client.listen(request_id)
+        await client.publish(message)
+        (failure,) = await client.wait_done(request_id)
+        assert failure.error_type == ErrorType.KV_TRANSFER and "the start was lost?" in failure.error
+    await client.publish(*client.chunks("ghost-kv")[1:3])
+    await client.send("marker", client.chunks("marker"))
+    assert (await client.wait_done("marker"))[-1].finish_reason == "length"
+    assert len(client.events["ghost-kv"]) == 1 and len(service.receiver) == 0
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -24,8 +24,7 @@ from shared.engine.kv.paged.store import tensor_of
 from shared.engine.kv.store import PromptKv
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
-from shared.wire.kv_transfer.chunks import KvAssembly
-from shared.wire.kv_transfer.prompt import assemble_prompt
+from shared.wire.handoff.prompt import KvAssembly, assemble_prompt
 from shared.wire.protocol import (
     Ack,
     BlockGet,
@@ -33,7 +32,8 @@ from shared.wire.protocol import (
     BlockHasReply,
     BlockPart,
     BlockPut,
-    DecodeTask,
+    HandoffEnd,
+    HandoffStart,
     KvChunk,
     KvEvent,
     Message,
@@ -75,19 +75,19 @@ class FakeStore:
 
     def is_complete(self, block_hash: int) -> bool:
         parts = self.blocks.get(block_hash, {})
-        return bool(parts) and len(parts) == next(iter(parts.values())).num_parts
+        return bool(parts) and len(parts) == next(iter(parts.values())).total
 
     async def put(self, msg: Message) -> Ack:
         assert isinstance(msg, BlockPut)
-        self.blocks.setdefault(msg.block_hash, {})[msg.part] = msg
+        self.blocks.setdefault(msg.block_hash, {})[msg.seq] = msg
         return Ack()
 
     async def get(self, msg: Message) -> BlockPart:
         assert isinstance(msg, BlockGet)
         if not self.is_complete(msg.block_hash):
-            return BlockPart(msg.block_hash, found=False, part=msg.part)
-        p = self.blocks[msg.block_hash][msg.part]
-        return self.tamper(msg, BlockPart(msg.block_hash, True, p.part, p.num_parts, p.codec, p.raw_size, p.checksum,
+            return BlockPart(msg.block_hash, found=False, seq=msg.seq)
+        p = self.blocks[msg.block_hash][msg.seq]
+        return self.tamper(msg, BlockPart(msg.block_hash, True, p.seq, p.total, p.codec, p.raw_size, p.checksum,
                                           p.data))
 
     async def has(self, msg: Message) -> BlockHasReply:
@@ -100,17 +100,21 @@ class Seen:
     """Everything published that a test looks at, by request id."""
 
     streams: dict[str, list[StreamEvent]] = field(default_factory=dict)
+    starts: dict[str, HandoffStart] = field(default_factory=dict)
     chunks: dict[str, list[KvChunk]] = field(default_factory=dict)
-    tasks: dict[str, DecodeTask] = field(default_factory=dict)
+    ends: dict[str, HandoffEnd] = field(default_factory=dict)
     kv_events: list[KvEvent] = field(default_factory=list)
 
     async def on(self, msg: Message) -> None:
         if isinstance(msg, StreamEvent):
             self.streams.setdefault(msg.request_id, []).append(msg)
+        elif isinstance(msg, HandoffStart):
+            self.starts[msg.request_id] = msg
         elif isinstance(msg, KvChunk):
+            assert msg.request_id in self.starts, "a hand-off starts before its first chunk"
             self.chunks.setdefault(msg.request_id, []).append(msg)
-        elif isinstance(msg, DecodeTask):
-            self.tasks[msg.request_id] = msg
+        elif isinstance(msg, HandoffEnd):
+            self.ends[msg.request_id] = msg
         elif isinstance(msg, KvEvent):
             self.kv_events.append(msg)
 
@@ -122,7 +126,7 @@ class World:
     seen: Seen
     prompts: dict[str, list[int]]
     services: list[PrefillService] = field(default_factory=list)
-    refs: dict[str, tuple[StreamEvent, torch.Tensor]] = field(default_factory=dict)  # computed from scratch
+    refs: dict[str, tuple[HandoffEnd, torch.Tensor]] = field(default_factory=dict)  # computed from scratch
 
     async def prefill(self, instance_id: str, engine: LLMEngine) -> PrefillService:
         settings = load_settings("prefill", {
@@ -139,12 +143,13 @@ class World:
                            time.time(), fetch)
         await self.bus.publish(self.bus.subjects.prefill_run(instance_id), task)
 
-    async def result(self, request_id: str) -> tuple[StreamEvent, torch.Tensor]:
-        """The first-token event of a request and the prompt KV that decode got, once handed off."""
-        await until(lambda: request_id in self.seen.tasks, timeout_s=60)
-        (first,) = self.seen.streams[request_id]
+    async def result(self, request_id: str) -> tuple[HandoffEnd, torch.Tensor]:
+        """The end of a request's hand-off (its first token) and the prompt KV that decode got."""
+        await until(lambda: request_id in self.seen.ends, timeout_s=60)
+        first = self.seen.ends[request_id]
+        assert request_id not in self.seen.streams, "prefill writes no response stream for a request it hands off"
         chunks = self.seen.chunks[request_id]
-        total = self.seen.tasks[request_id].num_chunks
+        total = self.seen.starts[request_id].num_kv_chunks
         assert sorted(c.seq for c in chunks) == list(range(total)), "every KV chunk exactly once"
         assembly = KvAssembly(request_id, total)
         for chunk in chunks:
@@ -172,7 +177,7 @@ async def world(nats_url: str, checkpoint) -> AsyncIterator[World]:  # noqa: ANN
     bus = await Bus.connect(nats_url, "prefill-test", Subjects(PREFIX))
     store, seen = FakeStore(), Seen()
     await store.serve(bus)
-    for subject in (bus.subjects.stream("*"), bus.subjects.decode_kv("d0"), bus.subjects.decode_run("d0"),
+    for subject in (bus.subjects.stream("*"), bus.subjects.decode_handoff("d0"),
                     bus.subjects.kv_events("prefill", "p-b")):
         await bus.serve(subject, seen.on)
     prompts = {name: checkpoint.tokenizer.encode(text)[: 2 * BLOCK + 5] for name, text in TEXTS.items()}
@@ -211,7 +216,7 @@ async def test_a_stored_prefix_is_loaded_and_fetch_from_pool_false_is_honoured(w
     for request_id, name, cached in (("b-x", "x", 2 * BLOCK), ("b-w", "w", 0)):
         first, kv = await world.result(request_id)
         ref_first, ref_kv = world.refs[name]
-        assert first.token_ids == ref_first.token_ids and first.num_cached_tokens == cached
+        assert first.first_token == ref_first.first_token and first.num_cached_tokens == cached
         assert torch.allclose(kv, ref_kv, atol=1e-4)
     load = service.load()
     assert load.fetch_bytes_per_s > 0 and load.num_queued_tokens == 0
@@ -226,7 +231,7 @@ def corrupt(get: BlockGet, part: BlockPart) -> BlockPart:
 
 
 def vanished(get: BlockGet, part: BlockPart) -> BlockPart:
-    return BlockPart(get.block_hash, found=False, part=get.part)
+    return BlockPart(get.block_hash, found=False, seq=get.seq)
 
 
 @pytest.mark.parametrize(("name", "spoil"), [("y", corrupt), ("z", vanished)], ids=["corrupt", "vanished"])
@@ -236,7 +241,7 @@ async def test_a_block_spoiled_mid_fetch_is_recomputed(world: World, name: str, 
     spoiled = block_hashes(world.prompts[name], BLOCK, namespace)[1]
 
     def spoil_second_part(get: BlockGet, part: BlockPart) -> BlockPart:  # layers 10-19 of the second block
-        return spoil(get, part) if get.block_hash == spoiled and get.part == 1 else part
+        return spoil(get, part) if get.block_hash == spoiled and get.seq == 1 else part
 
     world.store.tamper = spoil_second_part
     try:
@@ -245,7 +250,7 @@ async def test_a_block_spoiled_mid_fetch_is_recomputed(world: World, name: str, 
     finally:
         world.store.tamper = lambda get, part: part
     ref_first, ref_kv = world.refs[name]
-    assert first.token_ids == ref_first.token_ids and first.num_cached_tokens == 0  # computed, not loaded
+    assert first.first_token == ref_first.first_token and first.num_cached_tokens == 0  # computed, not loaded
     assert torch.allclose(kv, ref_kv, atol=1e-4)
 
 
@@ -272,7 +277,7 @@ async def test_the_client_puts_whole_layers_and_streams_parts_in_order_until_a_b
     assert b"".join([raw async for raw in client.get_block_parts(0xC0FFEE)]) == data
 
     def lose_part_two(get: BlockGet, part: BlockPart) -> BlockPart:
-        return BlockPart(get.block_hash, found=False, part=get.part) if get.part == 2 else part
+        return BlockPart(get.block_hash, found=False, seq=get.seq) if get.seq == 2 else part
 
     world.store.tamper = lose_part_two
     try:

@@ -10,8 +10,14 @@ import torch
 
 from shared.engine.kv.paged.store import prompt_layer_of, tensor_of
 from shared.engine.kv.store import BlockFormat, PromptKv
-from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import (
+    DTYPE_NAMES,
+    WIRE_NAMES,
+    KvAssembly,
+    assemble_prompt,
+    chunk_prompt_layer,
+    num_prompt_chunks,
+)
 from shared.wire.protocol import KvChunk
 
 DTYPES = list(DTYPE_NAMES.values())

@@ -41,8 +41,15 @@ from shared.engine.kv.paged.pool import KVPool
 from shared.engine.kv.paged.store import PagedKvStore
 from shared.engine.kv.store import PromptKv
 from shared.model.config import LlamaConfig
-from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import (
+    DTYPE_NAMES,
+    WIRE_NAMES,
+    KvAssembly,
+    assemble_prompt,
+    chunk_prompt_layer,
+    num_prompt_chunks,
+)
+from shared.wire.parts import PartError
 from shared.wire.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, PayloadError, SizeOnly, checksum, compress, decompress
 from shared.wire.protocol import KvChunk, decode, encode
 
@@ -71,7 +78,7 @@ def test_another_kv_format_is_refused() -> None:
     """The engines must agree on the format: fp32 KV is not converted into a bf16 engine's, it is refused."""
     kv = smooth_kv(2, 3, 20, 16)
     assembly = filled(all_chunks("r1", kv, 1000))
-    with pytest.raises(KvTransferError, match="request r1: prefill sent KV as fp32, this engine keeps bf16"):
+    with pytest.raises(PartError, match="request r1: prefill sent KV as fp32, this engine keeps bf16"):
         assemble_prompt(assembly, 2, 3, 16, raw_format(torch.bfloat16, 3, 16))
     assert tensor_bytes(assembled(assembly, kv)) == tensor_bytes(kv)  # the refusal leaves the assembly whole
 
@@ -80,7 +87,7 @@ def test_another_block_size_is_refused() -> None:
     """Blocks of 16 tokens read as blocks of 8 would have every size right and every value scrambled."""
     kv = smooth_kv(2, 3, 40, 16)
     assembly = filled(all_chunks("r1", kv, 1000, block_size=16))
-    with pytest.raises(KvTransferError, match=r"request r1: prefill sent blocks of \[16\] tokens, this engine pages 8"):
+    with pytest.raises(PartError, match=r"request r1: prefill sent blocks of 16 tokens, this engine pages 8"):
         assemble_prompt(assembly, 2, 3, 16, raw_format(torch.float32, 3, 16, block_size=8))
     assert tensor_bytes(assembled(assembly, kv, block_size=16)) == tensor_bytes(kv)
 
@@ -231,12 +238,12 @@ def test_a_corrupted_byte_fails_the_checksum_naming_the_chunk(kv: torch.Tensor, 
     data = bytearray(chunks[3].data)
     data[len(data) // 2] ^= 0x01
     assembly = KvAssembly("r1", len(chunks))
-    with pytest.raises(KvTransferError, match=r"request r1: chunk 3/18 failed its checksum"):
+    with pytest.raises(PartError, match=r"request r1: KV chunk 3/18 failed its checksum"):
         assembly.add(dataclasses.replace(chunks[3], data=bytes(data)))
     garbage = b"not lz4 at all"  # a sender bug: the checksum matches, the payload does not decode
     lz4_chunk = all_chunks("r1", torch.zeros_like(kv), ONE_BLOCK)[4]
     assert lz4_chunk.codec == CODEC_LZ4_SHUFFLE
-    with pytest.raises(KvTransferError, match=r"chunk 4/18: LZ4 payload does not decode"):
+    with pytest.raises(PartError, match=r"chunk 4/18: LZ4 payload does not decode"):
         assembly.add(dataclasses.replace(lz4_chunk, data=garbage, checksum=checksum(garbage)))
     assert assembly.num_received == 0
 
@@ -257,7 +264,7 @@ def test_a_corrupted_byte_fails_the_checksum_naming_the_chunk(kv: torch.Tensor, 
     ],
 )
 def test_inconsistent_chunks_are_refused(chunks: list[KvChunk], change: dict[str, object], error: str) -> None:
-    with pytest.raises(KvTransferError, match=error):
+    with pytest.raises(PartError, match=error):
         KvAssembly("r1", 18).add(dataclasses.replace(chunks[2], **change))  # type: ignore[arg-type]
 
 
@@ -267,12 +274,12 @@ def test_duplicates_identical_ignored_conflicting_refused(kv: torch.Tensor, chun
     wire_bytes, held_bytes = assembly.num_wire_bytes, assembly.num_held_bytes
     assembly.add(chunks[0])
     assert (assembly.num_received, assembly.num_wire_bytes, assembly.num_held_bytes) == (1, wire_bytes, held_bytes)
-    with pytest.raises(KvTransferError, match="chunk 0/18 arrived twice with different contents"):
+    with pytest.raises(PartError, match="chunk 0/18 arrived twice with different contents"):
         assembly.add(dataclasses.replace(chunks[1], seq=0))
     bf16 = all_chunks("r1", kv.to(torch.bfloat16), ONE_BLOCK)[17]
-    with pytest.raises(KvTransferError, match="chunk 17/18 is bf16, earlier chunks were fp32"):
+    with pytest.raises(PartError, match="chunk 17/18 has dtype 'bf16', the earlier chunks 'fp32'"):
         assembly.add(bf16)
-    with pytest.raises(KvTransferError, match="is KV format 'kvquant-3:abc', earlier chunks were 'fp32'"):
+    with pytest.raises(PartError, match="has kv_format 'kvquant-3:abc', the earlier chunks 'fp32'"):
         assembly.add(dataclasses.replace(chunks[5], kv_format="kvquant-3:abc"))
     assert assembly.num_received == 1
 
@@ -282,7 +289,7 @@ def test_missing_chunks_make_assemble_fail(chunks: list[KvChunk]) -> None:
     for chunk in chunks[:5] + chunks[6:]:
         assembly.add(chunk)
     assert not assembly.is_complete and assembly.missing() == [5]
-    with pytest.raises(KvTransferError, match=r"request r1: 1 of 18 chunks missing \(5\)"):
+    with pytest.raises(PartError, match=r"request r1: KV: 1 of 18 chunks missing \(5\)"):
         assemble_prompt(assembly, 3, 3, 64, raw_format(torch.float32, 3, 64))
 
 
@@ -303,9 +310,9 @@ def test_assemble_checks_layer_coverage_and_shape() -> None:
         (gap, 3, 2, fmt, r"layer 1 covers tokens \[0, 0\), expected \[0, 10\)"),
         (gap, 2, 2, fmt, "chunk 1/2 holds layer 2, the model has 2"),
         (layer(0, 0, 1), 1, 4, raw_format(torch.float32, 4, 8), r"chunk 0 holds 1280 bytes, .* \[0, 10\) .* 2560"),
-        (small_blocks, 1, 2, fmt, r"prefill sent blocks of \[4\] tokens, this engine pages 16"),
+        (small_blocks, 1, 2, fmt, r"prefill sent blocks of 4 tokens, this engine pages 16"),
         (forged, 1, 2, fmt, r"chunk 0 covers tokens \[0, 4\), not whole blocks"),
     ]
     for pieces, num_layers, heads, engine_fmt, error in cases:
-        with pytest.raises(KvTransferError, match=error):
+        with pytest.raises(PartError, match=error):
             assemble_prompt(filled(pieces), num_layers, heads, 8, engine_fmt)

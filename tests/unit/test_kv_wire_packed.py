@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shared.engine.kv.store import BlockFormat, PromptKv, PromptLayerKv
-from shared.wire.kv_transfer.chunks import KvAssembly, KvTransferError
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import KvAssembly, assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.parts import PartError
 from shared.wire.payload import CODEC_LZ4_SHUFFLE, CODEC_RAW, Payload
 from shared.wire.protocol import KvChunk, decode, encode
 
@@ -84,9 +84,9 @@ def test_chunks_hold_whole_blocks_and_the_sink_goes_with_block_0() -> None:
 
 def test_another_format_a_misfit_chunk_and_a_gap_are_refused() -> None:
     assembly, _ = send(9, 120)
-    with pytest.raises(KvTransferError, match="prefill sent KV as kvquant-3:abc, this engine keeps kvquant-3:xyz"):
+    with pytest.raises(PartError, match="prefill sent KV as kvquant-3:abc, this engine keeps kvquant-3:xyz"):
         assemble_prompt(assembly, LAYERS, HEADS, DIM, dataclasses.replace(FMT, kv_format="kvquant-3:xyz"))
-    with pytest.raises(KvTransferError, match="take"):
+    with pytest.raises(PartError, match="take"):
         assemble_prompt(assembly, LAYERS, HEADS, DIM, dataclasses.replace(FMT, block_bytes=51))
     kv = layer_kv(13, 0)
     chunks = chunk_prompt_layer("r", 0, *fields(kv), FMT, 0, 3, 1)
@@ -94,7 +94,7 @@ def test_another_format_a_misfit_chunk_and_a_gap_are_refused() -> None:
     partial = KvAssembly("r", 3)
     partial.add(chunks[0])
     partial.add(chunks[2])
-    with pytest.raises(KvTransferError, match="missing"):
+    with pytest.raises(PartError, match="missing"):
         assemble_prompt(partial, 1, HEADS, DIM, FMT)
 
 

@@ -15,8 +15,8 @@ from shared.engine.kv.paged.pool import KVPool
 from shared.engine.kv.sized import SizedKvStore
 from shared.engine.kv.store import BlockFormat, PromptKv
 from shared.model.config import LlamaConfig
-from shared.wire.kv_transfer.chunks import KvAssembly, KvTransferError
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import KvAssembly, assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.parts import PartError
 from shared.wire.payload import (
     CODEC_SIZE_ONLY,
     PayloadError,
@@ -25,7 +25,6 @@ from shared.wire.payload import (
     compress,
     decompress,
     join,
-    split,
 )
 from shared.wire.protocol import KvChunk, decode, encode
 
@@ -86,16 +85,9 @@ def test_size_only_codec_with_data_or_an_odd_size_is_refused() -> None:
         decompress(CODEC_SIZE_ONLY, b"", 4097, 2)
 
 
-def test_bytes_split_into_bounded_parts_and_join_back() -> None:
+def test_bytes_and_sizes_join() -> None:
     data = bytes(range(10))
-    parts = split(data, 4)
-    assert parts == [data[:4], data[4:8], data[8:]]
-    assert join(parts) == data
-    assert split(b"", 4) == [b""] and join([b""]) == b""
-
-
-def test_size_only_stays_whole_and_joins_as_a_size() -> None:
-    assert split(SizeOnly(1 << 40), 4) == [SizeOnly(1 << 40)]  # nothing to bound, however small the parts
+    assert join([data[:4], data[4:8], data[8:]]) == data and join([b""]) == b""
     assert join([SizeOnly(3), SizeOnly(5)]) == SizeOnly(8)
     assert join([SizeOnly(3), b"ab"]) == SizeOnly(5)  # any size-only part makes the whole a size
 
@@ -137,7 +129,7 @@ def test_size_only_chunks_assemble_into_sizes_and_a_meta_tail_in_any_order(num_t
         assembly.add(chunk)
         assembly.add(chunk)  # an identical duplicate is ignored
     assert assembly.is_complete and assembly.num_wire_bytes == assembly.num_held_bytes == 0
-    assert assembly.wire_dtype == assembly.kv_format == "bf16"
+    assert {(header.dtype, header.kv_format) for header, _ in assembly.pieces()} == {("bf16", "bf16")}
     store = sized_store()
     layers, tail, got_tokens = assemble_prompt(assembly, LAYERS, HEADS, HEAD_DIM, store.block_format)
     full, rest = divmod(num_tokens, BLOCK)
@@ -156,9 +148,9 @@ def test_a_size_only_chunk_mixed_with_real_ones_is_refused() -> None:
     (real,) = chunk_prompt_layer("r1", 1, blocks_bytes, real_kv[:, :, full:], TOKENS, raw_bf16(), 1, 2, 1 << 20)
     assert real.codec != CODEC_SIZE_ONLY and real.raw_size == size_only.raw_size
     assembly = assembly_of([size_only, real])
-    with pytest.raises(KvTransferError, match="chunk 0 is size-only, this engine's KV carries bytes"):
+    with pytest.raises(PartError, match="chunk 0 is size-only, this engine's KV carries bytes"):
         assemble_prompt(assembly, 2, HEADS, HEAD_DIM, raw_bf16())  # a decode engine with values
-    with pytest.raises(KvTransferError, match="chunk 1 is not the size-only layer"):
+    with pytest.raises(PartError, match="chunk 1 is not the size-only layer"):
         assemble_prompt(assembly, 2, HEADS, HEAD_DIM, sized_store().block_format)  # the sim's decode engine
     with pytest.raises(ValueError, match="sizes alone for bf16 blocks"):
         chunk_prompt_layer("r1", 0, SizeOnly(len(blocks_bytes)), real_kv[:, :, full:], TOKENS, raw_bf16(), 0, 1, 100)
@@ -167,26 +159,26 @@ def test_a_size_only_chunk_mixed_with_real_ones_is_refused() -> None:
 def test_a_size_only_chunk_whose_size_does_not_fit_is_refused() -> None:
     chunk = one_layer()
     fmt = sized_store().block_format
-    with pytest.raises(KvTransferError, match=f"chunk 0 is not the size-only layer of {LAYER_BYTES} bytes"):
+    with pytest.raises(PartError, match=f"chunk 0 is not the size-only layer of {LAYER_BYTES} bytes"):
         assemble_prompt(assembly_of([dataclasses.replace(chunk, raw_size=chunk.raw_size + 2)]), 1, HEADS, HEAD_DIM,
                         fmt)
-    with pytest.raises(KvTransferError, match="raw size 0"):
+    with pytest.raises(PartError, match="raw size 0"):
         KvAssembly("r1", 1).add(dataclasses.replace(chunk, raw_size=0))
-    with pytest.raises(KvTransferError, match="whole number of 2-byte elements"):
+    with pytest.raises(PartError, match="whole number of 2-byte elements"):
         KvAssembly("r1", 1).add(dataclasses.replace(chunk, raw_size=chunk.raw_size + 1))
     # A layer of twice the kv heads: the chunk is sane, the model's shape does not fit it.
     doubled = assembly_of([dataclasses.replace(chunk, raw_size=2 * chunk.raw_size)])
-    with pytest.raises(KvTransferError, match="not the size-only layer"):
+    with pytest.raises(PartError, match="not the size-only layer"):
         assemble_prompt(doubled, 1, HEADS, HEAD_DIM, fmt)
     assert assemble_prompt(assembly_of([chunk]), 1, HEADS, HEAD_DIM, fmt)[2] == TOKENS
-    with pytest.raises(KvTransferError, match="prefill sent KV as bf16, this engine keeps fp16"):
+    with pytest.raises(PartError, match="prefill sent KV as bf16, this engine keeps fp16"):
         assemble_prompt(assembly_of([chunk]), 1, HEADS, HEAD_DIM, dataclasses.replace(fmt, kv_format="fp16"))
 
 
 def test_a_size_only_chunk_carrying_data_is_refused() -> None:
     chunk = one_layer()
     smuggled = dataclasses.replace(chunk, data=b"xy", checksum=checksum(b"xy"))
-    with pytest.raises(KvTransferError, match="size-only payload carries 2 bytes"):
+    with pytest.raises(PartError, match="size-only payload carries 2 bytes"):
         KvAssembly("r1", 1).add(smuggled)
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from shared.wire.protocol import (
     BlockPut,
     Cancel,
-    DecodeTask,
+    HandoffEnd,
+    HandoffStart,
     Heartbeat,
     KvChunk,
     KvEvent,
@@ -33,7 +34,7 @@ from shared.wire.protocol import (
 
 _SAMPLE_VALUES = {int: 7, float: 0.5, str: "x-1", bool: True, bytes: b"\x00\xffkv"}
 # Fields whose sample must also satisfy the messages' invariants (parts within totals, known kinds and roles, ...).
-_VALID_VALUES = {"seq": 1, "part": 1, "layer_end": 9, "token_end": 9, "kind": "stored", "role": "decode",
+_VALID_VALUES = {"seq": 1, "layer_end": 9, "token_end": 9, "kind": "stored", "role": "decode",
                  "samples": [[1.0, 2.5, 3.0]], "num_cached_tokens": 1, "index": 3, "tag": b"0123456789abcdef"}
 
 
@@ -71,8 +72,8 @@ def test_every_message_round_trips(cls: type[Message]) -> None:
 
 def test_the_registry_holds_the_messages_services_need() -> None:
     kinds = {c.KIND for c in message_types()}
-    assert {"submit", "prefill-task", "decode-task", "kv-chunk", "stream-event", "heartbeat", "kv-event",
-            "cancel", "block-put", "block-get", "block-part", "block-has"} <= kinds
+    assert {"submit", "prefill-task", "handoff-start", "handoff-end", "kv-chunk", "stream-event", "heartbeat",
+            "kv-event", "cancel", "block-put", "block-get", "block-part", "block-has"} <= kinds
 
 
 def test_sampling_travels_as_it_is_and_names_a_bad_field() -> None:
@@ -103,7 +104,7 @@ def test_subjects_share_one_prefix() -> None:
     subjects = Subjects("acme")
     names = [subjects.submit, subjects.heartbeat("prefill", "p1"), subjects.cancel, subjects.kv_events("prefill", "p1"),
              subjects.snapshot("prefill", "p1"), subjects.prefill_run("p1"),
-             subjects.decode_run("d1"), subjects.decode_kv("d1"), subjects.stream("r1"), subjects.cache_put(0),
+             subjects.decode_run("d1"), subjects.decode_handoff("d1"), subjects.stream("r1"), subjects.cache_put(0),
              subjects.cache_get(0), subjects.cache_has(0)]
     assert all(n.startswith("acme.") for n in names)
     assert len(set(names)) == len(names)
@@ -181,7 +182,8 @@ def test_sender_of_reads_role_and_instance_from_self_describing_subjects() -> No
     (Heartbeat, {"samples": [[1.0, float("nan"), 2.0]]}, "step sample"),
     (Heartbeat, {"role": "admin"}, "unknown role"),
     (Heartbeat, {"num_running": -3}, "num_running is negative"),
-    (DecodeTask, {"num_cached_tokens": 99}, "more cached tokens"),
+    (HandoffStart, {"num_kv_chunks": 0}, "0 KV chunks"),
+    (HandoffEnd, {"first_token": -1}, "a negative token id"),
     (SubmitRequest, {"prompt_ids": []}, "no token ids"),
     (SubmitRequest, {"arrival_time": float("inf")}, "arrival_time is not a finite number"),
     (KvEvent, {"kind": "purged"}, "unknown kind"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.sampling import Sampler, _filter_top_k_top_p
+from shared.engine.sampling import Sampler, _filter_top_k_top_p, draw_seed
 from shared.wire.protocol import SamplingParams
 
 
@@ -37,7 +37,7 @@ def test_greedy_rows_take_the_argmax_and_sampled_rows_respect_filters() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.0], [2.0, 2.0, 0.0, -9.0]])
     sampler = Sampler()
     greedy, top2 = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=2)
-    seen = {tuple(sampler.sample(logits, ["g", f"s{i}"], [greedy, top2])) for i in range(40)}
+    seen = {tuple(sampler.sample(logits, [greedy, top2], [0, i])) for i in range(40)}
     assert {first for first, _ in seen} == {1}
     assert {second for _, second in seen} == {0, 1}
 
@@ -48,5 +48,19 @@ def test_a_seed_fixes_the_sequence_of_draws() -> None:
     draws = []
     for _ in range(2):
         sampler = Sampler()
-        draws.append([sampler.sample(logits, ["r"], [params])[0] for _ in range(10)])
+        draws.append([sampler.sample(logits, [params], [i])[0] for i in range(10)])
     assert draws[0] == draws[1] and len(set(draws[0])) > 5
+
+
+def test_a_seeded_draw_depends_on_its_position_alone() -> None:
+    """What lets prefill draw the first token and decode the rest: a fresh sampler at position 3 draws what a sampler
+    that drew positions 0-2 before (and other requests in between) draws there."""
+    logits = torch.zeros(1, 1000)
+    params, other = SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=8)
+    busy = Sampler()
+    history = []
+    for i in range(6):
+        history.append(busy.sample(logits, [params], [i])[0])
+        busy.sample(logits, [other], [i])
+    assert [Sampler().sample(logits, [params], [i])[0] for i in range(6)] == history
+    assert len({draw_seed(7, i) for i in range(1000)} | {draw_seed(8, i) for i in range(1000)}) == 2000

@@ -27,8 +27,7 @@ from shared.sim.engine import (
 )
 from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import GpuSpec, SimProfile, get_profile
-from shared.wire.kv_transfer.chunks import KvAssembly
-from shared.wire.kv_transfer.prompt import assemble_prompt, chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import KvAssembly, assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.payload import SizeOnly
 from shared.wire.protocol import KvChunk, SamplingParams, decode, encode
 

@@ -1,5 +1,5 @@
 """The wire protocol: every message that crosses NATS (`messages.py`), its msgpack encoding (`base.py`) and every
-subject (`subjects.py`). Import from here: `from shared.wire.protocol import DecodeTask, Subjects, encode, decode`.
+subject (`subjects.py`). Import from here: `from shared.wire.protocol import HandoffStart, Subjects, encode, decode`.
 """
 
 from shared.wire.protocol import checks  # noqa: E402, F401  (registers every message's invariants with decode)
@@ -12,10 +12,11 @@ from shared.wire.protocol.messages import (
     BlockPart,
     BlockPut,
     Cancel,
-    DecodeTask,
     ErrorType,
     ExpectHandoff,
     FastGenProfilePart,
+    HandoffEnd,
+    HandoffStart,
     Heartbeat,
     KvChunk,
     KvEvent,
@@ -32,8 +33,8 @@ from shared.wire.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjec
 
 __all__ = [
     "PROTOCOL_VERSION", "PREFILL_QUEUE", "SCHEDULER_QUEUE", "Ack", "BlockGet", "BlockHas", "BlockHasReply",
-    "BlockPart", "BlockPut", "Cancel", "DecodeTask", "ErrorType", "ExpectHandoff", "FastGenProfilePart", "Heartbeat",
-    "KvChunk", "KvEvent", "Message",
+    "BlockPart", "BlockPut", "Cancel", "ErrorType", "ExpectHandoff", "FastGenProfilePart", "HandoffEnd",
+    "HandoffStart", "Heartbeat", "KvChunk", "KvEvent", "Message",
     "PrefillTask", "ProtocolError", "Role", "SamplingError", "SamplingParams", "Snapshot", "SnapshotRequest",
     "StreamEvent", "SubmitReply", "SubmitRequest", "Subjects",
     "decode", "encode", "is_valid_request_id", "message", "message_types",

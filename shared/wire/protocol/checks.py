@@ -18,9 +18,10 @@ from shared.wire.protocol.messages import (
     BlockPart,
     BlockPut,
     Cancel,
-    DecodeTask,
     ExpectHandoff,
     FastGenProfilePart,
+    HandoffEnd,
+    HandoffStart,
     Heartbeat,
     KvChunk,
     KvEvent,
@@ -110,14 +111,20 @@ def _expect_handoff(msg: ExpectHandoff) -> None:
     _require(msg.num_prompt_tokens > 0, msg.KIND, "no prompt tokens")
 
 
-@invariants(DecodeTask)
-def _decode_task(msg: DecodeTask) -> None:
+@invariants(HandoffStart)
+def _handoff_start(msg: HandoffStart) -> None:
     _request_id(msg.KIND, msg.request_id)
     _token(msg.KIND, "prefill_id", msg.prefill_id)
-    _tokens(msg.KIND, [*msg.prompt_ids, msg.first_token])
-    _non_negative(msg.KIND, num_emitted_chars=msg.num_emitted_chars, num_profile_parts=msg.num_profile_parts)
-    _require(0 < msg.num_chunks <= MAX_PARTS and msg.num_profile_parts <= MAX_PARTS, msg.KIND, "chunk counts")
-    _require(0 <= msg.num_cached_tokens <= len(msg.prompt_ids), msg.KIND, "more cached tokens than the prompt has")
+    _tokens(msg.KIND, msg.prompt_ids)
+    _require(0 < msg.num_kv_chunks <= MAX_PARTS, msg.KIND, f"{msg.num_kv_chunks} KV chunks")
+
+
+@invariants(HandoffEnd)
+def _handoff_end(msg: HandoffEnd) -> None:
+    _request_id(msg.KIND, msg.request_id)
+    _tokens(msg.KIND, [msg.first_token])
+    _non_negative(msg.KIND, num_cached_tokens=msg.num_cached_tokens, num_profile_parts=msg.num_profile_parts)
+    _require(msg.num_profile_parts <= MAX_PARTS, msg.KIND, f"{msg.num_profile_parts} profile parts")
 
 
 @invariants(FastGenProfilePart)
@@ -192,7 +199,7 @@ def _snapshot(msg: Snapshot) -> None:
 @invariants(BlockPut)
 def _block_put(msg: BlockPut) -> None:
     _hashes(msg.KIND, [msg.block_hash])
-    _part(msg.KIND, msg.part, msg.num_parts)
+    _part(msg.KIND, msg.seq, msg.total)
     _non_negative(msg.KIND, raw_size=msg.raw_size)
     _require(0 <= msg.checksum < U64, msg.KIND, "checksum outside 64 bits")
     _require(len(msg.tag) in (0, TAG_BYTES), msg.KIND, f"a tag of {len(msg.tag)} bytes")
@@ -201,14 +208,14 @@ def _block_put(msg: BlockPut) -> None:
 @invariants(BlockGet)
 def _block_get(msg: BlockGet) -> None:
     _hashes(msg.KIND, [msg.block_hash])
-    _require(0 <= msg.part < MAX_PARTS, msg.KIND, f"part {msg.part}")
+    _require(0 <= msg.seq < MAX_PARTS, msg.KIND, f"part {msg.seq}")
 
 
 @invariants(BlockPart)
 def _block_part(msg: BlockPart) -> None:
     _hashes(msg.KIND, [msg.block_hash])
     if msg.found:
-        _part(msg.KIND, msg.part, msg.num_parts)
+        _part(msg.KIND, msg.seq, msg.total)
         _non_negative(msg.KIND, raw_size=msg.raw_size)
         _require(len(msg.tag) in (0, TAG_BYTES), msg.KIND, f"a tag of {len(msg.tag)} bytes")
 

@@ -1,6 +1,6 @@
 """Every message that crosses NATS, as frozen dataclasses registered by kind (see `base.py` for the encoding).
 
-KV payload bytes inside messages are made by `shared.wire.kv_transfer.chunks`, not here.
+Payload bytes inside messages are coded by `shared.wire.parts`, not here.
 """
 
 from __future__ import annotations
@@ -96,36 +96,51 @@ class ExpectHandoff(Message):
     num_prompt_tokens: int
 
 
-@message("decode-task")
+@message("handoff-start")
 @dataclass(frozen=True)
-class DecodeTask(Message):
-    """prefill -> decode (`decode.<id>.run`), sent after the last KV chunk: continue this request.
+class HandoffStart(Message):
+    """prefill -> decode (`decode.<id>.handoff`), before the prompt's first KV chunk: a request's hand-off stream
+    opens.
 
-    The prompt's KV arrives as `num_chunks` `KvChunk`s on `decode.<id>.kv`; `first_token` was sampled by prefill
-    and already streamed to the gateway, together with the first `num_emitted_chars` characters of text.
+    The stream is this message, then `num_kv_chunks` `KvChunk`s (layer by layer, as prefill computes them), then any
+    `FastGenProfilePart`s, then `HandoffEnd`; or a `Cancel` closes it early (the request finished or failed at
+    prefill, which wrote its response stream). Prefill publishes all of it on one subject over one connection, which
+    NATS delivers in order.
     """
 
-    VERSION: ClassVar[int] = 2
     request_id: str
     prompt_ids: list[int]
-    first_token: int
-    num_emitted_chars: int
     sampling: SamplingParams
-    num_chunks: int
-    num_cached_tokens: int
     prefill_id: str
-    num_profile_parts: int = 0  # FastGenProfilePart messages that come with the KV (0: keep every token)
+    num_kv_chunks: int
+
+
+@message("handoff-end")
+@dataclass(frozen=True)
+class HandoffEnd(Message):
+    """prefill -> decode (`decode.<id>.handoff`), last on a hand-off stream: the prompt is computed.
+
+    `first_token` was sampled by prefill; decode writes the request's response stream from here on, beginning with
+    this token and `first_text` (what prefill's detokenizer released for it). `num_profile_parts`
+    `FastGenProfilePart`s came before this message (0: keep every token).
+    """
+
+    request_id: str
+    first_token: int
+    first_text: str
+    num_cached_tokens: int
+    num_profile_parts: int = 0
 
 
 @message("fastgen-profile-part")
 @dataclass(frozen=True)
 class FastGenProfilePart(Message):
-    """prefill -> decode (`decode.<id>.kv`), after the prompt's KV chunks: one part of its FastGen profile, so decode
-    keeps per layer and KV head only what that head's policy keeps (`shared.fastgen.wire`).
+    """prefill -> decode (`decode.<id>.handoff`), after the prompt's KV chunks: one part of its FastGen profile, so
+    decode keeps per layer and KV head only what that head's policy keeps (`shared.wire.handoff.profile`).
 
-    `policies` is uint8 [num_layers, num_kv_heads] (every part repeats it); the parts' `data`, joined in `seq` order,
-    is the prompt's accumulated attention, float32 [num_layers, num_kv_heads, num_tokens], compressed as `codec`
-    says; `checksum` is xxh3-64 of this part's `data`.
+    `policies` is uint8 [num_layers, num_kv_heads] (every part repeats it); the parts' bytes, decoded as `codec` says
+    and joined in `seq` order, are the prompt's accumulated attention, float32 [num_layers, num_kv_heads, num_tokens];
+    `checksum` is xxh3-64 of this part's `data` (`shared.wire.parts`).
     """
 
     request_id: str
@@ -142,12 +157,12 @@ class FastGenProfilePart(Message):
 @message("kv-chunk")
 @dataclass(frozen=True)
 class KvChunk(Message):
-    """One piece of a request's prompt KV (prefill -> decode on `decode.<id>.kv`).
+    """One piece of a request's prompt KV (prefill -> decode on `decode.<id>.handoff`), a part of its hand-off stream.
 
     `data` holds one layer's whole blocks in the engines' KV format (`kv_format`: raw tensors of a dtype, or a
     codec's bytes), tokens [token_start, token_end), then, in the last chunk of a layer, the partial last block's
-    tokens in `dtype`; compressed as `codec` says; `checksum` is xxh3-64 of the compressed bytes. See
-    `shared.wire.kv_transfer.prompt`.
+    tokens in `dtype`; coded as `codec` says; `checksum` is xxh3-64 of the coded bytes (`shared.wire.parts`). See
+    `shared.wire.handoff.prompt`.
     """
 
     request_id: str
@@ -199,7 +214,8 @@ class StreamEvent(Message):
 @message("cancel")
 @dataclass(frozen=True)
 class Cancel(Message):
-    """gateway -> every scheduler, prefill and decode instance (`cancel`): drop this request wherever it is."""
+    """gateway -> every scheduler, prefill and decode instance (`cancel`): drop this request wherever it is. Also
+    prefill -> decode, closing a hand-off stream early (`decode.<id>.handoff`; see `HandoffStart`)."""
 
     request_id: str
     reason: str = "client disconnected"
@@ -297,18 +313,19 @@ class Snapshot(Message):
 @message("block-put")
 @dataclass(frozen=True)
 class BlockPut(Message):
-    """Part `part` of `num_parts` of one block's bytes (`cache.<shard>.put`, request/reply -> `Ack`).
+    """Part `seq` of `total` of one block's bytes (`cache.<shard>.put`, request/reply -> `Ack`), coded as `codec`
+    says; `checksum` is xxh3-64 of this part's `data` (`shared.wire.parts`).
 
     The store commits a block only when every part arrived and verified (two-phase: parts, then commit). `tag` binds
     the part to its block hash and place under the writers' key (`shared.wire.block_integrity`); the store keeps it and
     readers check it. `replace` (part 0): the copy stored under this hash failed a reader's check; put this instead.
     """
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     block_hash: int
-    part: int
-    num_parts: int
+    seq: int
+    total: int
     codec: str
     raw_size: int
     checksum: int
@@ -320,23 +337,25 @@ class BlockPut(Message):
 @message("block-get")
 @dataclass(frozen=True)
 class BlockGet(Message):
-    """Ask for part `part` of a stored block (`cache.<shard>.get`, request/reply -> `BlockPart`)."""
+    """Ask for part `seq` of a stored block (`cache.<shard>.get`, request/reply -> `BlockPart`)."""
+
+    VERSION: ClassVar[int] = 2
 
     block_hash: int
-    part: int = 0
+    seq: int = 0
 
 
 @message("block-part")
 @dataclass(frozen=True)
 class BlockPart(Message):
-    """One part of a stored block (with the `tag` it was put with), or `found=False`."""
+    """One part of a stored block as it was put (with the `tag` it was put with), or `found=False`."""
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
 
     block_hash: int
     found: bool
-    part: int = 0
-    num_parts: int = 0
+    seq: int = 0
+    total: int = 0
     codec: str = "raw"
     raw_size: int = 0
     checksum: int = 0

@@ -56,8 +56,9 @@ class Subjects:
     def decode_run(self, instance_id: str) -> str:
         return f"{self.prefix}.decode.{instance_id}.run"
 
-    def decode_kv(self, instance_id: str) -> str:
-        return f"{self.prefix}.decode.{instance_id}.kv"
+    def decode_handoff(self, instance_id: str) -> str:
+        """Hand-off streams prefill -> decode (`HandoffStart`, `KvChunk`, `FastGenProfilePart`, `HandoffEnd`)."""
+        return f"{self.prefix}.decode.{instance_id}.handoff"
 
     def stream(self, request_id: str) -> str:
         return f"{self.prefix}.stream.{request_id}"

@@ -29,7 +29,7 @@ from shared.fastgen.kept import kept_entries
 from shared.fastgen.policies import FastGenSettings
 from shared.fastgen.profile import causal_row_probs, profile_layer
 from shared.fastgen.token_classes import TokenClasses
-from shared.fastgen.wire import PromptProfile
+from shared.wire.handoff.profile import PromptProfile
 
 if TYPE_CHECKING:
     from shared.engine.sequence import Sequence

@@ -1,5 +1,5 @@
-"""A FastGen profile on the wire: parts of bounded size that reassemble exactly in any order; a corrupt, conflicting,
-missing or misshapen part is refused with a clear error, and a discarded request leaves nothing behind."""
+"""A FastGen profile on the wire: parts of bounded size, each coded on its own, that reassemble exactly in any order;
+a corrupt, conflicting, missing or misshapen part is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from shared.fastgen.wire import ProfileError, ProfileParts, PromptProfile, profile_parts
+from shared.wire.handoff.profile import ProfileError, PromptProfile, profile_assembly, profile_of, profile_parts
+from shared.wire.parts import PartError
 
 LAYERS, HEADS, TOKENS = 4, 3, 500
 POLICIES = 6  # the default ladder's five cheap policies and the full cache
@@ -24,35 +25,27 @@ def _profile() -> PromptProfile:
 def test_parts_reassemble_the_profile_in_any_order() -> None:
     profile = _profile()
     parts = profile_parts("r", profile, part_bytes=4096)
-    assert len(parts) > 2 and all(len(p.data) <= 4096 for p in parts)
-    received = ProfileParts()
+    assert len(parts) > 2 and all(len(p.data) <= 4096 and p.raw_size <= 4096 for p in parts)
+    received = profile_assembly("r", len(parts))
     for part in reversed(parts):
         received.add(part)
-    assert received.num_received("r") == len(parts)
-    back = received.take("r", LAYERS, HEADS, TOKENS, POLICIES)
+    back = profile_of(received, LAYERS, HEADS, TOKENS, POLICIES)
     assert torch.equal(back.policies, profile.policies) and torch.equal(back.scores, profile.scores)
-    assert received.num_received("r") == 0
 
 
 def test_bad_parts_are_refused() -> None:
     parts = profile_parts("r", _profile(), part_bytes=4096)
-    received = ProfileParts()
-    with pytest.raises(ProfileError, match="checksum"):
-        received.add(dataclasses.replace(parts[0], data=parts[0].data[:-1] + b"\x00"))
+    received = profile_assembly("r", len(parts))
+    with pytest.raises(PartError, match="checksum"):
+        received.add(dataclasses.replace(parts[0], data=parts[0].data[:-1] + bytes([parts[0].data[-1] ^ 1])))
     received.add(parts[0])
-    with pytest.raises(ProfileError, match="disagrees"):
+    with pytest.raises(PartError, match=f"profile part 1/{len(parts)} has num_tokens {TOKENS + 1}, the earlier"):
         received.add(dataclasses.replace(parts[1], num_tokens=TOKENS + 1))
-    with pytest.raises(ProfileError, match="parts received"):
-        received.take("r", LAYERS, HEADS, TOKENS, POLICIES)
+    with pytest.raises(ProfileError, match="missing"):
+        profile_of(received, LAYERS, HEADS, TOKENS, POLICIES)
     for part in parts:
         received.add(part)
     with pytest.raises(ProfileError, match="is not"):
-        received.take("r", LAYERS, HEADS, TOKENS - 1, POLICIES)
-    for part in parts:
-        received.add(part)
+        profile_of(received, LAYERS, HEADS, TOKENS - 1, POLICIES)
     with pytest.raises(ProfileError, match="bad policy"):  # a prefill on a longer ladder than this decode's
-        received.take("r", LAYERS, HEADS, TOKENS, POLICIES - 1)
-    received.add(parts[0])
-    received.discard("r")
-    assert received.num_received("r") == 0
-
+        profile_of(received, LAYERS, HEADS, TOKENS, POLICIES - 1)

@@ -1,22 +1,84 @@
 """A prompt's KV prefill -> decode in `KvChunk`s: each layer's full blocks in the engines' block form (the very bytes
 their KV stores and the cache-store hold: raw tensors, or a codec's bytes) and its partial last block's tokens, cut
-at block boundaries; and the prompt reassembled from a complete stream with exact size checks. A store of sizes alone
-(the sim engine's) sends one size-only chunk per layer.
+at block boundaries; and the prompt reassembled from a complete stream with exact size and coverage checks. A store
+of sizes alone (the sim engine's) sends one size-only chunk per layer.
 
 The block form itself is the engine's (`shared.engine.kv.store.BlockFormat`), which this module reads through
-`BlockSizes`. Verification, compression and the stall deadline are `chunks`' and `receiver`'s.
+`BlockSizes`. Each chunk is a checksummed part (`shared.wire.parts`); the stream around the chunks is `stream`'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from shared.wire.kv_transfer.chunks import DTYPE_NAMES, WIRE_NAMES, KvAssembly, KvTransferError, shuffle_width
-from shared.wire.payload import CODEC_RAW, Payload, SizeOnly, checksum, compress
+from shared.wire.parts import PartAssembly, PartError, encode_part
+from shared.wire.payload import Payload, SizeOnly
 from shared.wire.protocol import KvChunk
+
+DTYPE_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}  # torch dtype -> the name chunks carry
+
+
+def kv_shuffle_width(kv_format: str) -> int:
+    """The element size a chunk's bytes are shuffled by before compression: a raw tensor's itemsize when the KV
+    format names a dtype (an engine without a codec), else 1 (a codec's bytes)."""
+    dtype = DTYPE_NAMES.get(kv_format)
+    return 1 if dtype is None else dtype.itemsize
+
+
+class KvAssembly(PartAssembly[KvChunk]):
+    """A request's KV chunks as they arrive (the parts primitive): each chunk's own fields are checked first
+    (`check_chunk`), and every chunk must name the same dtype, KV format and block size.
+
+    Raises:
+        PartError: `total` < 1.
+    """
+
+    def __init__(self, request_id: str, total: int) -> None:
+        super().__init__(f"request {request_id}: KV", total, _kv_agreed, _kv_width, part_name="chunk")
+        self.request_id = request_id
+
+    def add(self, part: KvChunk) -> Payload | None:
+        """See `PartAssembly.add`; also raises PartError for another request's chunk or one whose fields fail
+        `check_chunk`."""
+        if part.request_id != self.request_id:
+            raise PartError(f"request {self.request_id}: KV chunk {part.seq}/{part.total} belongs to request "
+                            f"{part.request_id}")
+        check_chunk(part)
+        return super().add(part)
+
+
+def _kv_agreed(chunk: KvChunk) -> dict[str, Hashable]:
+    return {"request_id": chunk.request_id, "dtype": chunk.dtype, "kv_format": chunk.kv_format,
+            "block_size": chunk.block_size}
+
+
+def _kv_width(chunk: KvChunk) -> int:
+    return kv_shuffle_width(chunk.kv_format)
+
+
+def check_chunk(chunk: KvChunk) -> None:
+    """What a chunk's fields must say before it joins an assembly: a known dtype, a KV format, sane ranges.
+
+    Raises:
+        PartError: the first of these that fails.
+    """
+    where = f"request {chunk.request_id}: KV chunk {chunk.seq}/{chunk.total}"
+    if chunk.dtype not in DTYPE_NAMES:
+        raise PartError(f"{where}: unknown dtype {chunk.dtype!r}")
+    if not chunk.kv_format:
+        raise PartError(f"{where} names no KV format")
+    if not (0 <= chunk.layer_start < chunk.layer_end and 0 <= chunk.token_start < chunk.token_end):
+        raise PartError(
+            f"{where}: empty or negative range layers [{chunk.layer_start}, {chunk.layer_end}) "
+            f"tokens [{chunk.token_start}, {chunk.token_end})"
+        )
+    if chunk.raw_size < 1:  # exact sizes are checked on reassembly, which knows the format
+        raise PartError(f"{where}: raw size {chunk.raw_size}")
 
 
 class BlockSizes(Protocol):
@@ -91,23 +153,22 @@ def chunk_prompt_layer(
                          f"{num_tokens} tokens of {fmt.kv_format}")
     dtype = WIRE_NAMES[fmt.tail_dtype]
 
-    def chunk(seq: int, t0: int, t1: int, codec: str, raw_size: int, data: bytes) -> KvChunk:
+    def chunk(seq: int, t0: int, t1: int, raw: Payload) -> KvChunk:
+        body = encode_part(raw, width, compress_payload)
         return KvChunk(
             request_id=request_id, seq=seq, total=total, layer_start=layer_idx, layer_end=layer_idx + 1,
-            token_start=t0, token_end=t1, dtype=dtype, codec=codec, raw_size=raw_size, checksum=checksum(data),
-            data=data, kv_format=fmt.kv_format, block_size=fmt.block_size,
+            token_start=t0, token_end=t1, dtype=dtype, kv_format=fmt.kv_format, block_size=fmt.block_size,
+            **body.fields(),
         )
 
+    width = kv_shuffle_width(fmt.kv_format)
     if not fmt.has_values:
         if not num_tokens:
             return []
-        raw_size = len(blocks) + tail.numel() * tail.element_size()
-        codec, data = compress(SizeOnly(raw_size), 1)
-        return [chunk(first_seq, 0, num_tokens, codec, raw_size, data)]
+        return [chunk(first_seq, 0, num_tokens, SizeOnly(len(blocks) + tail.numel() * tail.element_size()))]
     if isinstance(blocks, SizeOnly):
         raise ValueError(f"sizes alone for {fmt.kv_format} blocks, which carry values")
     tail_raw = tail.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    width = shuffle_width(fmt.kv_format)
     chunks = []
     for i, (t0, t1) in enumerate(_spans(num_tokens, fmt, max_chunk_bytes)):
         b0, b1 = t0 // size, min(t1 // size, full)
@@ -115,8 +176,7 @@ def chunk_prompt_layer(
         raw = blocks[start : start + fmt.blocks_bytes(b1 - b0, b0)]
         if t1 == num_tokens and num_tokens % size:
             raw += tail_raw
-        codec, data = compress(raw, width) if compress_payload else (CODEC_RAW, raw)
-        chunks.append(chunk(first_seq + i, t0, t1, codec, len(raw), data))
+        chunks.append(chunk(first_seq + i, t0, t1, raw))
     return chunks
 
 
@@ -128,41 +188,42 @@ def assemble_prompt(
     for sizes alone), and num_tokens.
 
     Raises:
-        KvTransferError: chunks missing or overlapping, another KV format than this engine's, a chunk whose size
-            does not fit its token range in this format, or sizes where values are due.
+        PartError: chunks missing, a layer with a gap or an overlap, another KV format or block size than this
+            engine's, a chunk whose size does not fit its token range in this format, or sizes where values are due.
     """
-    rid = assembly.request_id
-    if assembly.kv_format != fmt.kv_format:
-        raise KvTransferError(f"request {rid}: prefill sent KV as {assembly.kv_format}, this engine keeps "
-                              f"{fmt.kv_format}")
-    sizes = {header.block_size for header, _ in assembly.pieces()}
-    if sizes != {fmt.block_size}:
-        raise KvTransferError(f"request {rid}: prefill sent blocks of {sorted(sizes)} tokens, this engine pages "
-                              f"{fmt.block_size}")
-    num_tokens = assembly.check_complete(num_layers)
+    assembly.check_complete()
+    pieces = assembly.pieces()
+    first = pieces[0][0]
+    rid = first.request_id
+    if first.kv_format != fmt.kv_format:
+        raise PartError(f"request {rid}: prefill sent KV as {first.kv_format}, this engine keeps {fmt.kv_format}")
+    if first.block_size != fmt.block_size:
+        raise PartError(f"request {rid}: prefill sent blocks of {first.block_size} tokens, this engine pages "
+                        f"{fmt.block_size}")
+    num_tokens = _check_coverage([header for header, _ in pieces], num_layers)
+    if not fmt.has_values:
+        return _assemble_sizes(pieces, num_layers, kv_heads, head_dim, fmt, num_tokens)
     size = fmt.block_size
     full, num_tail = num_tokens // size, num_tokens % size
-    wire_dtype = DTYPE_NAMES[assembly.wire_dtype]
-    if not fmt.has_values:
-        return _assemble_sizes(assembly, num_layers, kv_heads, head_dim, fmt, num_tokens)
+    wire_dtype = DTYPE_NAMES[first.dtype]
     tail_bytes = 2 * kv_heads * num_tail * head_dim * wire_dtype.itemsize  # in the wire's dtype, converted below
     layers: list[list[tuple[int, bytes]]] = [[] for _ in range(num_layers)]
     tail = torch.zeros(num_layers, 2, kv_heads, num_tail, head_dim, dtype=wire_dtype)
-    for header, raw in assembly.pieces():
+    for header, raw in pieces:
         t0, t1 = header.token_start, header.token_end
         if t0 % size or (t1 % size and t1 != num_tokens):
-            raise KvTransferError(f"request {rid}: chunk {header.seq} covers tokens [{t0}, {t1}), not whole blocks")
+            raise PartError(f"request {rid}: chunk {header.seq} covers tokens [{t0}, {t1}), not whole blocks")
         b0, b1 = t0 // size, min(t1 // size, full)
         blocks_size = fmt.blocks_bytes(b1 - b0, b0)
         has_tail = t1 == num_tokens and num_tail > 0
         expected = blocks_size + (tail_bytes if has_tail else 0)
         if header.raw_size != expected or header.layer_end != header.layer_start + 1:
-            raise KvTransferError(
+            raise PartError(
                 f"request {rid}: chunk {header.seq} holds {header.raw_size} bytes, {fmt.kv_format} tokens "
                 f"[{t0}, {t1}) of one layer take {expected}"
             )
         if isinstance(raw, SizeOnly):
-            raise KvTransferError(f"request {rid}: chunk {header.seq} is size-only, this engine's KV carries bytes")
+            raise PartError(f"request {rid}: chunk {header.seq} is size-only, this engine's KV carries bytes")
         layers[header.layer_start].append((t0, raw[:blocks_size]))
         if has_tail:
             values = np.frombuffer(raw, dtype=np.uint8, offset=blocks_size).copy()
@@ -171,15 +232,42 @@ def assemble_prompt(
     return joined, tail.to(fmt.tail_dtype), num_tokens
 
 
+def _check_coverage(headers: list[KvChunk], num_layers: int) -> int:
+    """Every layer covers tokens [0, num_tokens) exactly once; returns num_tokens.
+
+    Raises:
+        PartError: a layer with a gap or an overlap, or beyond the model's layers.
+    """
+    rid, num_tokens = headers[0].request_id, max(header.token_end for header in headers)
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+    for header in headers:
+        if header.layer_end > num_layers:
+            raise PartError(f"request {rid}: chunk {header.seq}/{header.total} holds layer {header.layer_end - 1}, "
+                            f"the model has {num_layers}")
+        for layer in range(header.layer_start, header.layer_end):
+            ranges[layer].append((header.token_start, header.token_end))
+    for layer, spans in enumerate(ranges):
+        end = 0
+        for t0, t1 in sorted(spans):
+            if t0 != end:
+                kind = "a gap" if t0 > end else "an overlap"
+                raise PartError(f"request {rid}: layer {layer} has {kind} at token {end}")
+            end = t1
+        if end != num_tokens:
+            raise PartError(f"request {rid}: layer {layer} covers tokens [0, {end}), expected [0, {num_tokens})")
+    return num_tokens
+
+
 def _assemble_sizes(
-    assembly: KvAssembly, num_layers: int, kv_heads: int, head_dim: int, fmt: BlockSizes, num_tokens: int
+    pieces: list[tuple[KvChunk, Payload]], num_layers: int, kv_heads: int, head_dim: int, fmt: BlockSizes,
+    num_tokens: int,
 ) -> PromptLayers:
     """A store of sizes: one size-only chunk a layer, as big as the layer's blocks and tail."""
-    rid, full, num_tail = assembly.request_id, num_tokens // fmt.block_size, num_tokens % fmt.block_size
+    rid, full, num_tail = pieces[0][0].request_id, num_tokens // fmt.block_size, num_tokens % fmt.block_size
     expected = fmt.blocks_bytes(full) + fmt.tail_bytes(num_tail, kv_heads, head_dim)
-    for header, raw in assembly.pieces():
+    for header, raw in pieces:
         if not isinstance(raw, SizeOnly) or header.raw_size != expected or header.layer_end != header.layer_start + 1:
-            raise KvTransferError(f"request {rid}: chunk {header.seq} is not the size-only layer of {expected} bytes "
-                                  "this engine expects")
+            raise PartError(f"request {rid}: chunk {header.seq} is not the size-only layer of {expected} bytes "
+                            "this engine expects")
     tail = torch.empty(num_layers, 2, kv_heads, num_tail, head_dim, dtype=fmt.tail_dtype, device="meta")
     return [SizeOnly(fmt.blocks_bytes(full)) for _ in range(num_layers)], tail, num_tokens
