@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from shared.config import EngineSettings
+from shared.engine.blocks import BlockEventHook
 from shared.engine.engine import LLMEngine
 from shared.wire.log import get_logger
 
@@ -90,15 +91,18 @@ class EngineHost(Generic[R]):
                     pass
 
 
-async def load_engine(settings: EngineSettings, prompt_only: bool = False) -> LLMEngine:
+async def load_engine(
+    settings: EngineSettings, prompt_only: bool = False, on_block_event: BlockEventHook | None = None
+) -> LLMEngine:
     """The engine `TSUKIMI_ENGINE` names: the model (loaded on a worker thread), or the sim backend's stand-in for
-    `TSUKIMI_SIM_PROFILE`; `prompt_only` for a prefill instance's (`EngineConfig.prompt_only`)."""
+    `TSUKIMI_SIM_PROFILE`; `prompt_only` for a prefill instance's (`EngineConfig.prompt_only`), `on_block_event` to
+    hear its prefix cache's changes."""
     config = dataclasses.replace(settings.engine, prompt_only=prompt_only)
     if settings.engine_kind == "sim":
         from shared.sim.engine import build_sim_engine
 
-        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, config)
+        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, config, None, on_block_event)
         log.info("simulated engine: steps sleep for a roofline model, no model runs", profile=settings.sim_profile,
                  kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
         return engine
-    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, config)
+    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, config, on_block_event)

@@ -9,6 +9,8 @@ from shared.config import EngineSettings
 from shared.wire.block_integrity import BlockSigner
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
+from shared.wire.heartbeat import new_epoch
+from shared.wire.kv_events import KvEventLog
 from shared.wire.log import get_logger
 from shared.wire.protocol import Role
 
@@ -16,12 +18,13 @@ log = get_logger("services.prefill")
 
 
 async def build(settings: EngineSettings, bus: Bus) -> PrefillService:
-    engine = await load_engine(settings, prompt_only=True)
+    events = KvEventLog(settings.instance_id, new_epoch(), Role.PREFILL)  # the engine reports into it from the start
+    engine = await load_engine(settings, prompt_only=True, on_block_event=events.record)
     if not settings.cache_block_key:
         log.warning("TSUKIMI_CACHE_BLOCK_KEY is not set: the cache-store's KV blocks are not signed, so a block put "
                     "under another block's hash would be used (see `tsukimi secrets`)")
     signer = BlockSigner(settings.cache_block_key or None)
-    return PrefillService(settings, bus, engine, CacheClient(bus, settings.cache_shards, signer=signer))
+    return PrefillService(settings, bus, engine, CacheClient(bus, settings.cache_shards, signer=signer), events)
 
 
 def main() -> None:

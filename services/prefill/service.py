@@ -74,19 +74,24 @@ class PrefillService:
     Args:
         settings: service settings.
         bus: the NATS connection.
-        engine: a prompt-only engine (this service aborts each request after its first token).
+        engine: a prompt-only engine (this service aborts each request after its first token), built with
+            `events.record` as its block-event hook (`services.prefill.__main__.build` makes both).
         cache: the cache-store client, or None to run without the shared pool.
+        events: the log of the engine's prefix-cache changes, in this instance's epoch.
     """
 
-    def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine, cache: CacheClient | None) -> None:
+    def __init__(
+        self, settings: EngineSettings, bus: Bus, engine: LLMEngine, cache: CacheClient | None, events: KvEventLog
+    ) -> None:
         self.settings, self.bus, self.engine, self.cache = settings, bus, engine, cache
         self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
-        self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.PREFILL, settings.heartbeat_s, self.load)
-        self.events = KvEventLog(settings.instance_id, self._heartbeat.epoch, Role.PREFILL)
-        engine.block_manager.on_event = self.events.record
+        self._heartbeat = HeartbeatSender(
+            bus, settings.instance_id, Role.PREFILL, settings.heartbeat_s, self.load, events.epoch
+        )
+        self.events = events
         events_subject = bus.subjects.kv_events(Role.PREFILL, settings.instance_id)
         self._events_out = KvEventPublisher(bus, self.events, events_subject)
         self.tasks = BackgroundTasks()  # KV sends, cache puts, event publishes

@@ -51,7 +51,7 @@ class BlockManager(InvariantChecks):
     KV. Operations cost O(1) per block touched, plus O(block_size) per block hashed.
 
     Blocks whose KV is loaded from outside (``start_loading``) stay unregistered until ``finish_loading``.
-    ``on_event`` (settable) hears every change of the index: ``(STORED, hashes)`` on registration, ``(REMOVED,
+    ``on_event`` hears every change of the index: ``(STORED, hashes)`` on registration, ``(REMOVED,
     hashes)`` on eviction; a listener that replays them knows the index exactly.
     """
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shared.engine.batching import Scheduler, StepPlan
+from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
 from shared.engine.isolation import FailureIsolation
 from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
@@ -78,15 +79,18 @@ class LLMEngine(KvHandoff):
         config: engine settings.
         runner: what runs each step, over its KV store (default: the model on `config`'s device; the sim backend
             passes its own).
+        on_block_event: for the default runner, hears every change of the prefix cache's index (`BlockManager`'s
+            `on_event`: what a prefill instance reports as KV events).
     """
 
     def __init__(
-        self, checkpoint: Checkpoint, config: EngineConfig | None = None, runner: Runner | None = None
+        self, checkpoint: Checkpoint, config: EngineConfig | None = None, runner: Runner | None = None,
+        on_block_event: BlockEventHook | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
-        self.runner: Runner = runner or ModelRunner(checkpoint, self.config)
+        self.runner: Runner = runner or ModelRunner(checkpoint, self.config, on_block_event)
         self.store: KvStore = self.runner.store
         self.block_manager = self.store.blocks
         self.fastgen = self.store.fastgen  # None: every token's KV stays in blocks
@@ -101,9 +105,12 @@ class LLMEngine(KvHandoff):
         self.isolation = FailureIsolation()  # a step that raises: which request made it fail
 
     @classmethod
-    def from_path(cls, model_path: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
+    def from_path(
+        cls, model_path: str | None = None, config: EngineConfig | None = None,
+        on_block_event: BlockEventHook | None = None,
+    ) -> LLMEngine:
         """Load a GGUF file or safetensors folder (None: the default SmolLM2 model) and build an engine."""
-        return cls(load_checkpoint(model_path), config)
+        return cls(load_checkpoint(model_path), config, on_block_event=on_block_event)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix_source: PrefixSource | None = None

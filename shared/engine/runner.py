@@ -12,6 +12,7 @@ import torch
 
 from kernels.backend import KernelBackend, select_backend
 from shared.engine.batching import ScheduledChunk, StepPlan
+from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
 from shared.engine.kv.factory import build_kv_store
 from shared.engine.kv.store import KvStore, LayerCallback
@@ -47,19 +48,22 @@ class ModelRunner:
     Args:
         checkpoint: the loaded model files.
         config: engine settings (device, dtype, KV store, kernels).
+        on_block_event: hears every change of the prefix cache's index (`BlockManager`'s `on_event`).
     Raises:
         ValueError: a KV budget of fewer than 2 blocks, an unknown or unavailable kernel backend, or a KV codec
             calibration that does not fit the model.
     """
 
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, config: EngineConfig, on_block_event: BlockEventHook | None = None
+    ) -> None:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         self.model: Llama = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device)
         self.block_size = config.block_size
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
-        self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend)
+        self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
 

@@ -12,7 +12,7 @@ import time
 
 from shared.engine.batching import StepPlan
 from shared.engine.block_hash import make_namespace
-from shared.engine.blocks import BlockManager
+from shared.engine.blocks import BlockEventHook, BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.kv.sized import SizedKvStore
@@ -46,16 +46,20 @@ class SimRunner:
             (`kv_cache_bytes` is ignored).
         token_id: the token every step produces.
         namespace: of the store's block hashes.
+        on_block_event: hears every change of the prefix cache's index (`BlockManager`'s `on_event`).
     """
 
-    def __init__(self, profile: SimProfile, config: EngineConfig, token_id: int, namespace: bytes = b"") -> None:
+    def __init__(
+        self, profile: SimProfile, config: EngineConfig, token_id: int, namespace: bytes = b"",
+        on_block_event: BlockEventHook | None = None,
+    ) -> None:
         if config.kv_policy != "full" or config.kv_codec != "none":
             raise ValueError("the sim engine's KV has sizes alone: no KV codec, no FastGen (they need real values)")
         self.profile, self.token_id = profile, token_id
         num_blocks = profile.kv_capacity_tokens // config.block_size
         if num_blocks < 2:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
-        blocks = BlockManager(num_blocks, config.block_size, namespace)
+        blocks = BlockManager(num_blocks, config.block_size, namespace, on_block_event)
         self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs)
         self.last_step_s = 0.0  # the predicted time of the last step
         self._last_end = -math.inf  # perf_counter() when the last step ended
@@ -108,8 +112,11 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(remaining)
 
 
-def build_sim_engine(profile_name: str, config: EngineConfig, tokenizer_path: str | None = None) -> LLMEngine:
-    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`).
+def build_sim_engine(
+    profile_name: str, config: EngineConfig, tokenizer_path: str | None = None,
+    on_block_event: BlockEventHook | None = None,
+) -> LLMEngine:
+    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`); `on_block_event` as `SimRunner`'s.
 
     Raises:
         ValueError: an unknown profile, or a block size that leaves fewer than 2 blocks.
@@ -118,4 +125,4 @@ def build_sim_engine(profile_name: str, config: EngineConfig, tokenizer_path: st
     checkpoint = sim_checkpoint(profile, tokenizer_path)
     token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
     namespace = make_namespace(checkpoint.fingerprint, config.kv_format)
-    return LLMEngine(checkpoint, config, runner=SimRunner(profile, config, token_id, namespace))
+    return LLMEngine(checkpoint, config, runner=SimRunner(profile, config, token_id, namespace, on_block_event))

@@ -43,6 +43,11 @@ class Load:
     max_num_seqs: int = 0
 
 
+def new_epoch() -> int:
+    """An epoch for this process start: listeners then know its caches and queues started empty."""
+    return time.time_ns() ^ os.getpid()
+
+
 class HeartbeatSender:
     """Publishes a heartbeat every `interval_s` until stopped.
 
@@ -53,10 +58,12 @@ class HeartbeatSender:
         load: called for each beat; returns the current load.
     """
 
-    def __init__(self, bus: Bus, instance_id: str, role: str, interval_s: float, load: Callable[[], Load]) -> None:
+    def __init__(
+        self, bus: Bus, instance_id: str, role: str, interval_s: float, load: Callable[[], Load],
+        epoch: int | None = None,
+    ) -> None:
         self.bus, self.instance_id, self.role, self.interval_s, self.load = bus, instance_id, role, interval_s, load
-        # A new epoch per process start: listeners then know our caches and queues started empty.
-        self.epoch = time.time_ns() ^ os.getpid()
+        self.epoch = new_epoch() if epoch is None else epoch
         self._task: asyncio.Task[None] | None = None
 
     def beat(self) -> Heartbeat:

@@ -25,6 +25,8 @@ from shared.engine.kv.store import PromptKv
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.prompt import KvAssembly, assemble_prompt
+from shared.wire.heartbeat import new_epoch
+from shared.wire.kv_events import KvEventLog
 from shared.wire.protocol import (
     Ack,
     BlockGet,
@@ -38,6 +40,7 @@ from shared.wire.protocol import (
     KvEvent,
     Message,
     PrefillTask,
+    Role,
     SamplingParams,
     Snapshot,
     SnapshotRequest,
@@ -128,12 +131,14 @@ class World:
     services: list[PrefillService] = field(default_factory=list)
     refs: dict[str, tuple[HandoffEnd, torch.Tensor]] = field(default_factory=dict)  # computed from scratch
 
-    async def prefill(self, instance_id: str, engine: LLMEngine) -> PrefillService:
+    async def prefill(self, instance_id: str, checkpoint) -> PrefillService:  # noqa: ANN001
         settings = load_settings("prefill", {
             "TSUKIMI_SUBJECT_PREFIX": PREFIX, "TSUKIMI_INSTANCE_ID": instance_id, "TSUKIMI_HEARTBEAT_S": "30",
             "TSUKIMI_KV_CHUNK_KB": "64", "TSUKIMI_WARMUP": "off",  # its steps are timed elsewhere
         })
-        service = PrefillService(settings, self.bus, engine, CacheClient(self.bus, 1))
+        events = KvEventLog(instance_id, new_epoch(), Role.PREFILL)
+        engine = make_engine(checkpoint, events)
+        service = PrefillService(settings, self.bus, engine, CacheClient(self.bus, 1), events)
         await service.start()
         self.services.append(service)
         return service
@@ -167,8 +172,9 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def make_engine(checkpoint) -> LLMEngine:  # noqa: ANN001
-    return LLMEngine(checkpoint, EngineConfig(device="cpu", kv_cache_bytes=24 << 20, block_size=BLOCK))
+def make_engine(checkpoint, events: KvEventLog) -> LLMEngine:  # noqa: ANN001
+    config = EngineConfig(device="cpu", kv_cache_bytes=24 << 20, block_size=BLOCK)
+    return LLMEngine(checkpoint, config, on_block_event=events.record)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -183,13 +189,13 @@ async def world(nats_url: str, checkpoint) -> AsyncIterator[World]:  # noqa: ANN
     prompts = {name: checkpoint.tokenizer.encode(text)[: 2 * BLOCK + 5] for name, text in TEXTS.items()}
     assert all(len(p) == 2 * BLOCK + 5 for p in prompts.values())
     world = World(bus, store, seen, prompts)
-    await world.prefill("p-a", make_engine(checkpoint))
+    await world.prefill("p-a", checkpoint)
     for name in prompts:
         await world.submit("p-a", f"ref-{name}", name)
         world.refs[name] = await world.result(f"ref-{name}")
     namespace = world.services[0].engine.block_manager.namespace
     await until(lambda: all(store.is_complete(h) for p in prompts.values() for h in block_hashes(p, BLOCK, namespace)))
-    await world.prefill("p-b", make_engine(checkpoint))
+    await world.prefill("p-b", checkpoint)
     yield world
     for service in world.services:
         await service.stop()

@@ -31,14 +31,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = BlockManager(self.num_blocks, self.block_size, NS)
+        self.manager = BlockManager(self.num_blocks, self.block_size, NS, on_event=self.replay)
         self.tokens: dict[int, list[int]] = {}
         self.kv: dict[int, tuple[int, ...] | None] = dict.fromkeys(range(self.num_blocks))
         self.next_seq_id = 0
         self.prompts: list[list[int]] = []  # new prompts often extend a prefix of an earlier one
         self.loading: dict[int, range] = {}  # seq id -> its table indices whose KV is still on its way
         self.replayed: set[int] = set()  # the index as the manager's events describe it
-        self.manager.on_event = self.replay
 
     def replay(self, kind: str, hashes: list[int]) -> None:
         if kind == STORED:

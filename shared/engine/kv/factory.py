@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kernels.backend import KernelBackend
 from shared.engine.block_hash import make_namespace
-from shared.engine.blocks import BlockManager
+from shared.engine.blocks import BlockEventHook, BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.kv.codec.pool import CodecKvPool
 from shared.engine.kv.codec.store import CodecKvStore
@@ -22,13 +22,15 @@ from shared.model.llama import RotaryEmbedding
 
 
 def build_kv_store(
-    checkpoint: Checkpoint, config: EngineConfig, rotary: RotaryEmbedding, backend: KernelBackend
+    checkpoint: Checkpoint, config: EngineConfig, rotary: RotaryEmbedding, backend: KernelBackend,
+    on_block_event: BlockEventHook | None = None,
 ) -> KvStore:
     """The store `config.kv_cache_bytes` pays for, on `config`'s device and dtype.
 
     Args:
         rotary: the model's RoPE tables.
         backend: the kernels attention runs on.
+        on_block_event: hears every change of the prefix cache's index (`BlockManager`'s `on_event`).
     Raises:
         ValueError: a budget of fewer than 2 blocks, or a KV codec calibration that does not fit the model.
     """
@@ -38,7 +40,8 @@ def build_kv_store(
     def blocks(num_blocks: int) -> BlockManager:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks; need at least 2")
-        return BlockManager(num_blocks, config.block_size, make_namespace(checkpoint.fingerprint, config.kv_format))
+        namespace = make_namespace(checkpoint.fingerprint, config.kv_format)
+        return BlockManager(num_blocks, config.block_size, namespace, on_block_event)
 
     store: KvStore
     if config.kv_codec == "none":
