@@ -22,8 +22,8 @@ from shared.wire.protocol import ErrorType, StreamEvent, SubmitRequest
 log = get_logger(__name__)
 MAX_BUFFERED_EVENTS = 4096  # out-of-order events held back; more means a publisher is broken
 MIN_WAIT_S = 0.01  # a wait of 0 would not even look at events already queued
-# Events from prefill and decode may pass each other by milliseconds; later ones held back this long mean the one
-# before them was lost in transit (a NATS restart), and it will never come.
+# A stream has one writer at a time (prefill until the request's hand-off ends, decode from then on), so its events
+# come in order unless one is lost in transit (a NATS restart); later ones held back this long mean it will never come.
 STREAM_GAP_S = 5.0
 
 
