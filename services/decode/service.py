@@ -167,15 +167,14 @@ class DecodeService:
         engine, unless it was cancelled meanwhile (its client heard already)."""
         request_id = stream.request_id
         try:
-            request = await asyncio.to_thread(self._prefilled, stream)
+            request, error = await asyncio.to_thread(self._prefilled, stream), ""
         except (PartError, ValueError) as exc:
-            if request_id in self._assembling:
-                await self._fail(request_id, str(exc))
+            request, error = None, str(exc)
+        if request_id not in self._assembling:  # cancelled meanwhile
             return
-        finally:
-            is_cancelled = request_id not in self._assembling
-            self._assembling.discard(request_id)
-        if is_cancelled:
+        self._assembling.discard(request_id)
+        if request is None:
+            await self._fail(request_id, error)
             return
         self._moved_bytes += stream.kv.num_wire_bytes
         self._moved_tokens += len(stream.start.prompt_ids)

@@ -193,9 +193,8 @@ class PrefillService:
             is_queued = False
             await self._fail_held(held, ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL,
                                   str(exc))
-        if not is_queued:
-            if held.cancelled and held.is_handing_off:
-                await self._close_handoff(held, "cancelled at prefill")
+        if not is_queued:  # cancelled meanwhile (a failure closed its hand-off already)
+            await self._close_handoff(held, "cancelled at prefill")
             self._held.pop(task.request_id, None)
             return
         self.host.wake()

@@ -7,7 +7,8 @@ parts (`shared.wire.parts`), the scores shuffled and LZ4-compressed as KV chunks
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,14 +49,14 @@ def profile_parts(request_id: str, profile: PromptProfile, part_bytes: int) -> l
 ProfileAssembly = PartAssembly[FastGenProfilePart]
 
 
-def profile_assembly(request_id: str, total: int) -> ProfileAssembly:
+def profile_assembly(request_id: str, total: int, clock: Callable[[], float] = time.monotonic) -> ProfileAssembly:
     """The assembly of a profile's `total` parts: every part must repeat the same token count and policies.
 
     Raises:
         PartError: `total` < 1.
     """
     return PartAssembly(f"request {request_id}: FastGen profile", total,
-                        _profile_agreed, lambda part: shuffle_width(part.raw_size, SCORE_BYTES))
+                        _profile_agreed, lambda part: shuffle_width(part.raw_size, SCORE_BYTES), clock=clock)
 
 
 def _profile_agreed(part: FastGenProfilePart) -> dict[str, Hashable]:

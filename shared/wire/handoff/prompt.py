@@ -9,7 +9,8 @@ The block form itself is the engine's (`shared.engine.kv.store.BlockFormat`), wh
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import numpy as np
@@ -32,36 +33,35 @@ def kv_shuffle_width(kv_format: str) -> int:
 
 class KvAssembly(PartAssembly[KvChunk]):
     """A request's KV chunks as they arrive (the parts primitive): each chunk's own fields are checked first
-    (`check_chunk`), and every chunk must name the same dtype, KV format and block size.
+    (`_check_chunk`), and every chunk must name the same dtype, KV format and block size.
 
     Raises:
         PartError: `total` < 1.
     """
 
-    def __init__(self, request_id: str, total: int) -> None:
-        super().__init__(f"request {request_id}: KV", total, _kv_agreed, _kv_width, part_name="chunk")
+    def __init__(self, request_id: str, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(f"request {request_id}: KV", total, _kv_agreed, _kv_width, clock=clock, part_name="chunk")
         self.request_id = request_id
 
     def add(self, part: KvChunk) -> Payload | None:
         """See `PartAssembly.add`; also raises PartError for another request's chunk or one whose fields fail
-        `check_chunk`."""
+        `_check_chunk`."""
         if part.request_id != self.request_id:
             raise PartError(f"request {self.request_id}: KV chunk {part.seq}/{part.total} belongs to request "
                             f"{part.request_id}")
-        check_chunk(part)
+        _check_chunk(part)
         return super().add(part)
 
 
 def _kv_agreed(chunk: KvChunk) -> dict[str, Hashable]:
-    return {"request_id": chunk.request_id, "dtype": chunk.dtype, "kv_format": chunk.kv_format,
-            "block_size": chunk.block_size}
+    return {"dtype": chunk.dtype, "kv_format": chunk.kv_format, "block_size": chunk.block_size}
 
 
 def _kv_width(chunk: KvChunk) -> int:
     return kv_shuffle_width(chunk.kv_format)
 
 
-def check_chunk(chunk: KvChunk) -> None:
+def _check_chunk(chunk: KvChunk) -> None:
     """What a chunk's fields must say before it joins an assembly: a known dtype, a KV format, sane ranges.
 
     Raises:

@@ -26,10 +26,9 @@ class HandoffStream:
 
     def __init__(self, start: HandoffStart, clock: Callable[[], float] = time.monotonic) -> None:
         self.start, self.clock = start, clock
-        self.kv = KvAssembly(start.request_id, start.num_kv_chunks)
+        self.kv = KvAssembly(start.request_id, start.num_kv_chunks, clock)
         self.profile: ProfileAssembly | None = None
         self.end: HandoffEnd | None = None
-        self.last_message_s = clock()
 
     @property
     def request_id(self) -> str:
@@ -51,9 +50,8 @@ class HandoffStream:
             self.kv.add(part)
         else:
             if self.profile is None:
-                self.profile = profile_assembly(self.request_id, part.total)
+                self.profile = profile_assembly(self.request_id, part.total, self.clock)
             self.profile.add(part)
-        self.last_message_s = self.clock()
 
     def finish(self, end: HandoffEnd) -> None:
         """The stream's last message: every part it announced must be in, as the stream arrives in order.
@@ -69,11 +67,11 @@ class HandoffStream:
         if self.profile is not None:
             self.profile.check_complete()
         self.end = end
-        self.last_message_s = self.clock()
 
     def stalled_s(self) -> float:
-        """Seconds since the stream's last message."""
-        return self.clock() - self.last_message_s
+        """Seconds since the stream's last new part (or its start, which opened the KV assembly)."""
+        last_s = self.kv.last_part_s if self.profile is None else max(self.kv.last_part_s, self.profile.last_part_s)
+        return self.clock() - last_s
 
     def describe_stall(self) -> str:
         """What the stream still waits for, for the error a stall becomes."""
