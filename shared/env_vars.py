@@ -62,7 +62,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_WARMUP", "on",
                "prefill and decode time a few steps of their own before serving, for the scheduler's cost models"),
         EnvVar("TSUKIMI_INSTANCE_TIMEOUT_S", "2.5", "an instance silent this long is forgotten by the scheduler"),
-        EnvVar("TSUKIMI_KV_DEADLINE_S", "10", "decode fails a request whose KV stream stalls this long"),
+        EnvVar("TSUKIMI_KV_DEADLINE_S", "10", "decode fails a request whose KV stream stalls this long once its KV "
+               "began to flow (before, the request waits in prefill's queue, up to TSUKIMI_REQUEST_TIMEOUT_S)"),
         EnvVar("TSUKIMI_KV_CHUNK_KB", "256", "largest KV payload per NATS message, KiB"),
         EnvVar("TSUKIMI_KV_BUFFER_MB", "1024",
                "decode: most MiB of prompt KV in flight (1/16 of it for KV the scheduler did not announce)"),

@@ -163,3 +163,23 @@ def test_announcements_expire_and_are_bounded() -> None:
     clock.now += 2
     receiver.expire()
     assert not receiver.is_expected("r1")
+
+
+def test_a_stream_waiting_in_prefills_queue_is_not_a_stall_until_the_request_limit() -> None:
+    """The stream opens when prefill admits the request; under load its first KV can come long after. Only once KV
+    flows does the stall deadline apply; before, the request's own limit."""
+    clock = FakeClock()
+    receiver = HandoffReceiver(deadline_s=10.0, expect_ttl_s=60.0, clock=clock)
+    kv = two_layers()
+    chunks = all_chunks("queued", kv, ONE_BLOCK)
+    opened(receiver, "queued", [])
+    opened(receiver, "forgotten", [])
+    clock.now += 30  # three stall deadlines in prefill's queue
+    assert receiver.expire() == [] and "queued" in receiver
+    assert receiver.add(chunks[0]) is None
+    clock.now += 9
+    assert receiver.expire() == []
+    clock.now += 1
+    assert receiver.expire() == [("queued", "hand-off stalled: 11 of 12 KV chunks missing after 10.0 s")]
+    clock.now += 20  # 60 s since "forgotten" opened with no KV at all
+    assert receiver.expire() == [("forgotten", "hand-off never began: no KV after 60.0 s")]

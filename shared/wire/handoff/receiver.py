@@ -121,8 +121,9 @@ class HandoffReceiver:
             self.num_unannounced_bytes += num_bytes
 
     def expire(self) -> list[tuple[str, str]]:
-        """Close every stream without a new message for `deadline_s`, and forget announcements older than
-        `expect_ttl_s`.
+        """Close every stream without a new message for `deadline_s` since its first KV chunk (or without any
+        KV for `expect_ttl_s`: a stream opens when prefill admits its request, and the request may then wait in
+        prefill's queue), and forget announcements older than `expect_ttl_s`.
 
         Returns:
             (request_id, reason) for each stream, e.g. "hand-off stalled: 5 of 12 KV chunks missing after 10.0 s".
@@ -130,7 +131,11 @@ class HandoffReceiver:
         expired = []
         for request_id, stream in list(self._streams.items()):
             idle_s = stream.stalled_s()
-            if idle_s >= self.deadline_s:
+            if not stream.has_begun:  # queued at prefill, which may take long under load: only the request's limit
+                if idle_s >= self.expect_ttl_s:
+                    expired.append((request_id, f"hand-off never began: no KV after {idle_s:.1f} s"))
+                    self.close(request_id)
+            elif idle_s >= self.deadline_s:
                 expired.append((request_id, f"hand-off stalled: {stream.describe_stall()} after {idle_s:.1f} s"))
                 self.close(request_id)
         now = self.clock()

@@ -68,6 +68,11 @@ class HandoffStream:
             self.profile.check_complete()
         self.end = end
 
+    @property
+    def has_begun(self) -> bool:
+        """Some KV has arrived: before that, the request waits in prefill's queue (its stream opens at admission)."""
+        return self.kv.num_received > 0
+
     def stalled_s(self) -> float:
         """Seconds since the stream's last new part (or its start, which opened the KV assembly)."""
         last_s = self.kv.last_part_s if self.profile is None else max(self.kv.last_part_s, self.profile.last_part_s)
