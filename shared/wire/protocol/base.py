@@ -104,11 +104,18 @@ def _to_wire(msg: Message) -> dict[str, Any]:
 def _from_wire(cls: type[Message], fields: Any) -> Message:
     if not isinstance(fields, dict):
         raise ProtocolError(f"{cls.KIND}: fields must be a map")
-    hints = _field_hints(cls)
-    unknown = set(fields) - set(hints)
-    if unknown:
-        raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(map(str, unknown))}")
-    kwargs = {name: _checked(cls, name, value, hints[name]) for name, value in fields.items()}
+    spec = _field_specs(cls)
+    if not fields.keys() <= spec.keys():
+        raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(map(str, set(fields) - set(spec)))}")
+    kwargs = {}
+    for name, value in fields.items():
+        field = spec[name]
+        if field.message is not None:
+            kwargs[name] = _from_wire(field.message, value)
+        elif not field.fits(value):
+            raise ProtocolError(f"{cls.KIND}: field {name!r} must be {field.type_name}, got {type(value).__name__}")
+        else:
+            kwargs[name] = float(value) if field.is_float else value
     try:
         msg = cls(**kwargs)
     except (TypeError, ValueError) as exc:  # a missing field, or a value its class refuses on construction
@@ -119,49 +126,63 @@ def _from_wire(cls: type[Message], fields: Any) -> Message:
     return msg
 
 
-_HINTS: dict[str, dict[str, Any]] = {}  # kind -> each field's resolved annotation
+@dataclasses.dataclass(frozen=True)
+class _FieldSpec:
+    """How one field of a message is checked on decode (made once per class: decoding is on every hot path)."""
+
+    fits: typing.Callable[[Any], bool]  # the value is of the declared type (bool is not an int, lists hold it)
+    type_name: str
+    is_float: bool = False  # an int where a float is declared becomes a float
+    message: type[Message] | None = None  # a nested message, decoded as one
 
 
-def _field_hints(cls: type[Message]) -> dict[str, Any]:
-    """Each dataclass field's resolved annotation (resolved once per class: decoding is on every hot path)."""
-    hints = _HINTS.get(cls.KIND)
-    if hints is None:
+_SPECS: dict[str, dict[str, _FieldSpec]] = {}  # kind -> each field's spec
+
+
+def _field_specs(cls: type[Message]) -> dict[str, _FieldSpec]:
+    specs = _SPECS.get(cls.KIND)
+    if specs is None:
         resolved = typing.get_type_hints(cls)
-        hints = _HINTS[cls.KIND] = {f.name: resolved[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return hints
+        specs = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            hint = resolved[f.name]
+            nested = hint if isinstance(hint, type) and issubclass(hint, Message) else None
+            fits = _always if nested is not None else _fitter(hint)
+            specs[f.name] = _FieldSpec(fits, _type_name(hint), hint is float, nested)
+        _SPECS[cls.KIND] = specs
+    return specs
 
 
-def _checked(cls: type[Message], name: str, value: Any, hint: Any) -> Any:
-    """`value` as field `name` of `cls` holds it (an int where a float is declared becomes a float).
+_INT_ONLY = frozenset((int,))  # bool is a subclass of int, and not an int here
+
+
+def _always(value: Any) -> bool:
+    return True
+
+
+def _fitter(hint: Any) -> typing.Callable[[Any], bool]:
+    """A check of a value against the annotation `hint`.
 
     Raises:
-        ProtocolError: the value is not of the declared type (bool is not an int, a list must hold the declared type).
+        TypeError: an annotation this module has no wire check for (a message declared a type it lacks).
     """
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return _from_wire(hint, value)
-    if not _fits(value, hint):
-        raise ProtocolError(f"{cls.KIND}: field {name!r} must be {_type_name(hint)}, got {type(value).__name__}")
-    return float(value) if hint is float else value
-
-
-def _fits(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, option) for option in typing.get_args(hint))
+        options = [_fitter(option) for option in typing.get_args(hint)]
+        return lambda value: any(fits(value) for fits in options)
     if origin is list:
         (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            return False
-        if item is int:  # token ids and block hashes: the long lists, checked without a call per element
-            return all(type(v) is int for v in value)
-        return all(_fits(v, item) for v in value)
+        if item is int:  # token ids and block hashes: the long lists, checked without Python code per element
+            return lambda value: isinstance(value, list) and set(map(type, value)) <= _INT_ONLY
+        fits_item = _fitter(item)
+        return lambda value: isinstance(value, list) and all(fits_item(v) for v in value)
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is float:
-        return type(value) in (float, int)
+        return lambda value: type(value) in (float, int)
     if hint in (int, str, bytes, bool):
-        return type(value) is hint
-    raise TypeError(f"no wire check for the annotation {hint!r}")  # a message declared a type this module lacks
+        return lambda value: type(value) is hint
+    raise TypeError(f"no wire check for the annotation {hint!r}")
 
 
 def _type_name(hint: Any) -> str:

@@ -33,7 +33,7 @@ from shared.wire.protocol.messages import (
     SubmitReply,
     SubmitRequest,
 )
-from shared.wire.protocol.subjects import is_valid_request_id
+from shared.wire.protocol.subjects import is_subject_token, is_valid_request_id
 
 U64 = 1 << 64
 MAX_PARTS = 1 << 20  # chunks or parts of one transfer: far beyond any prompt, small enough to count through
@@ -52,7 +52,7 @@ def _request_id(kind: str, request_id: str) -> None:
 
 
 def _token(kind: str, name: str, value: str) -> None:
-    ok = 0 < len(value) <= 128 and all(c.isascii() and (c.isalnum() or c in "-_") for c in value)
+    ok = is_subject_token(value, 128)
     _require(ok, kind, f"{name} {value[:40]!r} is not 1-128 letters, digits, '-' or '_'")
 
 
@@ -62,12 +62,13 @@ def _non_negative(kind: str, **counts: int | float) -> None:
 
 
 def _hashes(kind: str, hashes: Iterable[int]) -> None:
-    _require(all(0 <= h < U64 for h in hashes), kind, "a block hash outside 0..2**64-1")
+    hashes = list(hashes)
+    _require(not hashes or (min(hashes) >= 0 and max(hashes) < U64), kind, "a block hash outside 0..2**64-1")
 
 
 def _tokens(kind: str, token_ids: list[int], allow_empty: bool = False) -> None:
     _require(allow_empty or bool(token_ids), kind, "no token ids")
-    _require(all(t >= 0 for t in token_ids), kind, "a negative token id")
+    _require(not token_ids or min(token_ids) >= 0, kind, "a negative token id")
 
 
 def _finite(kind: str, **values: float | None) -> None:

@@ -7,6 +7,7 @@ check that a message speaks for the instance and role its subject names (`Subjec
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PREFILL_QUEUE = "prefill"  # queue group of prefill instances for unaddressed work
@@ -85,7 +86,14 @@ class Subjects:
 MAX_REQUEST_ID_LEN = 160  # a client's 128-character label, '-' and the gateway's 16 random hex digits, and room
 
 
+_SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def is_subject_token(text: str, max_len: int) -> bool:
+    """1 to `max_len` ASCII letters, digits, '-' and '_'."""
+    return 0 < len(text) <= max_len and _SUBJECT_TOKEN.fullmatch(text) is not None
+
+
 def is_valid_request_id(request_id: str) -> bool:
     """Request ids become subject tokens: 1-160 of letters, digits, '-' and '_'."""
-    return 0 < len(request_id) <= MAX_REQUEST_ID_LEN and all(
-        c.isascii() and (c.isalnum() or c in "-_") for c in request_id)
+    return is_subject_token(request_id, MAX_REQUEST_ID_LEN)
