@@ -48,6 +48,11 @@ class EngineHost(Generic[R]):
         self._task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop = asyncio.get_event_loop()
 
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The engine thread's executor (a virtual cluster runs it in lock-step with its clock)."""
+        return self._executor
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the engine thread (after whatever runs there now)."""
         return await self.loop.run_in_executor(self._executor, fn, *args)
@@ -86,7 +91,8 @@ class EngineHost(Generic[R]):
                 return
             if not busy:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll_s)
+                    async with asyncio.timeout(self.idle_poll_s):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
 

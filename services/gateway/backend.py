@@ -79,8 +79,11 @@ class _NatsEventStream:
             log.warning("unexpected message on a stream subject", request_id=self.request_id, kind=msg.KIND)
 
     async def next_event(self, timeout_s: float) -> StreamEvent | None:
+        if not self.queue.empty():
+            return self.queue.get_nowait()
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task of its own, as wait_for would make per event
+                return await self.queue.get()
         except TimeoutError:
             return None
 

@@ -3,6 +3,7 @@ tokenizer, and a fingerprint and model id of its own. No torch (the gateway read
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -17,10 +18,12 @@ def sim_model_name(profile: SimProfile) -> str:
     return f"{profile.name}-sim"
 
 
+@functools.lru_cache(maxsize=8)
 def sim_manifest(profile: SimProfile, tokenizer_path: str | None = None) -> ModelManifest:
     """The profile's architecture with no weights, and a real tokenizer (the default model's unless a GGUF is given),
     so prompts and streamed text work as usual. The fingerprint names the profile, so block hashes of a sim system
-    never match a real model's."""
+    never match a real model's. Made once per process and profile (a virtual cluster has dozens of engines; the
+    tokenizer is read-only)."""
     path = Path(tokenizer_path) if tokenizer_path else default_model_path()
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
     fingerprint = hashlib.blake2b(f"sim:{profile.name}".encode(), digest_size=8).hexdigest()

@@ -138,7 +138,12 @@ class TieredStore:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.hashes())
+        """Distinct blocks in any tier (in the time of the SSD tier's size, not DRAM's: every heartbeat asks)."""
+        dram = self.dram
+        held = dram.num_blocks + sum(1 for h in self._writing if not dram.has(h))
+        if self.ssd is not None:
+            held += sum(1 for h in self.ssd.hashes() if not dram.has(h) and h not in self._writing)
+        return held
 
     async def put(self, block_hash: int, block: StoredBlock) -> None:
         """Commit a verified block to DRAM and report it `stored` (a block already held only counts as seen).
