@@ -10,7 +10,7 @@ import logging
 import re
 import sys
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -57,8 +57,10 @@ class _RedactingFilter(logging.Filter):
         return True
 
 
-def configure_logging(service: str, instance_id: str, level: str = "info", log_format: str = "json") -> None:
-    """Route structlog (and the stdlib loggers of aiohttp and nats) to stderr as JSON lines."""
+def configure_logging(service: str, instance_id: str, level: str = "info", log_format: str = "json",
+                      stream: TextIO | None = None) -> None:
+    """Route structlog (and the stdlib loggers of aiohttp and nats) to `stream` (stderr) as JSON lines."""
+    stream = stream or sys.stderr
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False)
     )
@@ -72,12 +74,12 @@ def configure_logging(service: str, instance_id: str, level: str = "info", log_f
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service, instance=instance_id)
-    logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=sys.stderr, format="%(name)s %(message)s")
+    logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=stream, format="%(name)s %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_RedactingFilter())
 

@@ -37,6 +37,10 @@ class PrefixLoad:
         ValueError: no block ids.
     """
 
+    # How the engine thread waits for the loader (a virtual cluster, whose engine thread runs in lock-step with its
+    # clock, puts its own condition here).
+    condition_type: Callable[[], threading.Condition] = threading.Condition
+
     def __init__(
         self, store: KvStore, block_ids: list[int], timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic, first_block: int = 0,
@@ -52,7 +56,7 @@ class PrefixLoad:
         self._last_progress = clock()  # when the load began or last took bytes
         self.error: str | None = None
         self.waited_s = 0.0  # how long the engine thread blocked in `wait_layer`
-        self._cond = threading.Condition()
+        self._cond = self.condition_type()
         self._staged = [bytearray() for _ in block_ids]  # bytes of each block's next, incomplete layer
         self._num_layers_in = [0] * len(block_ids)
         self._num_ready = 0

@@ -95,10 +95,20 @@ def decode(data: bytes, expected: type[T] | None = None) -> Any:
 
 def _to_wire(msg: Message) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
-        value = getattr(msg, f.name)
-        out[f.name] = _to_wire(value) if isinstance(value, Message) else value
+    for name in _field_names(type(msg)):
+        value = getattr(msg, name)
+        out[name] = _to_wire(value) if isinstance(value, Message) else value
     return out
+
+
+_NAMES: dict[type[Message], tuple[str, ...]] = {}
+
+
+def _field_names(cls: type[Message]) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    return names
 
 
 def _from_wire(cls: type[Message], fields: Any) -> Message:
@@ -107,7 +117,7 @@ def _from_wire(cls: type[Message], fields: Any) -> Message:
     spec = _field_specs(cls)
     if not fields.keys() <= spec.keys():
         raise ProtocolError(f"{cls.KIND}: unknown field(s) {sorted(map(str, set(fields) - set(spec)))}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name, value in fields.items():
         field = spec[name]
         if field.message is not None:

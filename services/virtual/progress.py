@@ -1,0 +1,61 @@
+"""The progress line of a virtual run, in wall time (the virtual clock would say the run is instant): requests done
+of planned, the simulated seconds reached of the trace's span, simulated seconds per wall second, and the ETA.
+Redrawn in place on a terminal, a plain line every 10 s otherwise."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from loadgen.record import RequestRecord
+from services.virtual.clock import wall_clock
+from services.virtual.replay import Replay
+
+
+class VirtualProgress:
+    def __init__(self, num_planned: int, span_s: float, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.num_planned, self.span_s, self.enabled = num_planned, span_s, enabled
+        self.stream = stream or sys.stderr
+        self.is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.started = wall_clock()
+        self.num_done = self.num_rejected = self.num_failed = 0
+        self._replay: Replay | None = None
+        self._drawn_at = -1e9
+
+    def start(self, replay: Replay) -> None:
+        self._replay = replay
+        self.started = wall_clock()
+
+    def wall_s(self) -> float:
+        return wall_clock() - self.started
+
+    def done(self, record: RequestRecord) -> None:
+        self.num_done += 1
+        self.num_rejected += record.is_rejected
+        self.num_failed += record.is_failed
+        now = wall_clock()
+        every_s = 0.5 if self.is_tty else 10.0
+        if self.enabled and (now - self._drawn_at >= every_s or self.num_done == self.num_planned):
+            self._drawn_at = now
+            self._draw()
+
+    def line(self) -> str:
+        wall = max(self.wall_s(), 1e-9)
+        simulated = 0.0 if self._replay is None else self._replay.elapsed_s()
+        rate = simulated / wall
+        eta = (self.span_s - simulated) / rate if rate > 0 and simulated < self.span_s else 0.0
+        share = self.num_done / self.num_planned if self.num_planned else 1.0
+        bar = "#" * int(24 * share)
+        return (f"[{bar:<24}] {self.num_done}/{self.num_planned} done ({self.num_rejected} rejected, "
+                f"{self.num_failed} failed) | simulated {simulated:.0f}/{self.span_s:.0f} s, {rate:.1f} s per wall s"
+                f" | wall {wall:.0f} s, ETA {eta:.0f} s")
+
+    def _draw(self) -> None:
+        end = "\r" if self.is_tty else "\n"
+        self.stream.write(self.line() + end)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.is_tty and self.num_done:
+            self.stream.write("\n")
+            self.stream.flush()
