@@ -80,3 +80,31 @@ def test_the_mooncake_experiment_writes_its_report_and_json(tmp_path: Path) -> N
     text = (report / "report.md").read_text()
     assert "Simulation." in text and "| 100 ms |" in text and "paper" in text
     assert all((report / f"capacity_tbt{t}ms.png").stat().st_size > 0 for t in (100, 200, 300))
+
+
+def test_the_mooncake_experiment_on_the_virtual_clock(tmp_path: Path) -> None:
+    """Every run is one `python -m services.virtual` process, two at a time: the same report and JSON, with the
+    clock, the request and node counts and the wall time, and all five placement policies to choose from."""
+    out, report = tmp_path / "result.json", tmp_path / "report"
+    code = experiment_main([
+        "mooncake", "--clock", "virtual", "--quick", "--num-requests", "24", "--time-scales", "2,1",
+        "--prefill", "1", "--decode", "1", "--policies", "round_robin,conductor", "--json", str(out),
+        "--report", str(report), "--log-dir", str(tmp_path / "logs"),
+    ])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert (result["clock"], result["num_requests"], result["num_nodes"]) == ("virtual", 24, 2)
+    assert result["wall_s"] > 0
+    assert [(r["system"], r["policy"], r["time_scale"]) for r in result["runs"]] == [
+        ("baseline", "least_loaded", 2.0), ("tsukimi", "conductor", 2.0), ("baseline", "least_loaded", 1.0),
+        ("tsukimi", "conductor", 1.0), ("tsukimi", "round_robin", 1.0)]
+    for run in result["runs"]:
+        assert run["error"] is None and run["summary_by_tbt_slo_ms"]["100"]["num_completed"] == 24
+        assert run["placements"]["placed"] == 24  # from the scheduler's log lines of the run's one process
+    baseline = [r for r in result["runs"] if r["system"] == "baseline"][0]
+    prefilled_on = {k: v for k, v in baseline["placements"].items() if k.startswith("prefill:")}
+    assert sum(prefilled_on.values()) == 24  # colocated: two instances, each prefilling its own requests
+    assert set(prefilled_on) == {"prefill:decode-0", "prefill:decode-1"}
+    assert set(result["avg_ttft_s_by_policy"]) == {"round_robin", "conductor"}
+    text = (report / "report.md").read_text()
+    assert "virtual clock" in text and "| 100 ms |" in text

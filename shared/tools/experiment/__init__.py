@@ -16,12 +16,24 @@ from pathlib import Path
 
 from loadgen.trace import BUNDLED_TRACE, TraceError
 from shared.sim.profiles import PROFILES
-from shared.tools.experiment.mooncake import POLICIES, ExperimentConfig, ExperimentError, plan_runs, run_experiment
+from shared.tools.experiment.mooncake import (
+    ALL_POLICIES,
+    POLICIES,
+    ExperimentConfig,
+    ExperimentError,
+    plan_runs,
+    run_experiment,
+)
 from shared.tools.experiment.report import write_report
 from shared.tools.experiment.results import compute, to_json
 
 FULL = {"num_requests": 70, "time_scales": (4.0, 2.5, 1.5, 1.0), "policy_time_scale": 2.5, "policies": POLICIES}
 QUICK = {"num_requests": 16, "time_scales": (4.0, 2.0), "policy_time_scale": 2.0, "policies": ("random", "conductor")}
+# The virtual clock (nothing sleeps): the paper's 8P+8D against 16 colocated nodes, all five policies.
+VIRTUAL = {"num_requests": 2000, "time_scales": (2.0, 1.0, 0.7, 0.5), "policy_time_scale": 1.0,
+           "policies": ALL_POLICIES, "num_prefill": 8, "num_decode": 8, "num_cache_stores": 16}
+VIRTUAL_QUICK = {"num_requests": 200, "time_scales": (2.0, 1.0), "policy_time_scale": 1.0,
+                 "policies": ("random", "conductor"), "num_prefill": 2, "num_decode": 2, "num_cache_stores": 4}
 
 DESCRIPTION = """\
 Reproduce the Mooncake paper's scheduling experiment (FAST'25, conversation trace) on this machine with the sim
@@ -38,6 +50,11 @@ Reported: the share of requests meeting TTFT <= 30 s and TBT <= 100/200/300 ms a
 request's slowest 10% token gaps), the effective request capacity (the load at which that share falls to 90%) of each
 system and their ratio, the average TTFT per policy, cache hit rates; beside the paper's +498%/+157%/+59% and
 3.07/3.58/5.27/19.65 s. Everything is labelled as simulation.
+
+--clock virtual: every run is instead the whole cluster in one process on a virtual clock (python -m
+services.virtual: the same service classes, an in-process NATS, a modelled network, nothing sleeping), --parallel at
+a time, at the paper's scale: 8 prefill + 8 decode against 16 colocated nodes, 2,000 requests, all five policies
+(--quick: 2P+2D, 200 requests).
 """
 
 
@@ -61,8 +78,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="folder for report.md and its PNGs (default: ./mooncake-report)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="llama3-70b-8xa800",
                         help="model and GPUs each simulated instance stands for (default: llama3-70b-8xa800)")
-    parser.add_argument("--prefill", type=int, default=2, metavar="P", help="tsukimi's prefill instances (default 2)")
-    parser.add_argument("--decode", type=int, default=2, metavar="D", help="tsukimi's decode instances (default 2)")
+    parser.add_argument("--clock", choices=("wall", "virtual"), default="wall",
+                        help="wall: every run real processes in real time (default); virtual: every run the whole "
+                             "cluster in one process on a virtual clock (python -m services.virtual), the paper's "
+                             "scale: 8P+8D against 16 colocated, 2,000 requests (quick: 2P+2D, 200)")
+    parser.add_argument("--parallel", type=int, default=2, metavar="N",
+                        help="virtual clock: runs at once, one core each (default 2)")
+    parser.add_argument("--prefill", type=int, metavar="P", help="tsukimi's prefill instances (default 2; virtual 8)")
+    parser.add_argument("--decode", type=int, metavar="D", help="tsukimi's decode instances (default 2; virtual 8)")
     parser.add_argument("--num-requests", type=int, metavar="N", help="requests per run (default: 70; quick 16)")
     parser.add_argument("--time-scales", metavar="X,Y,...",
                         help="loads of the sweep: arrival times multiplied by each (default: 4,2.5,1.5,1; quick 4,2)")
@@ -81,29 +104,40 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExperimentConfig:
-    preset = dict(QUICK if args.quick else FULL)
+    if args.clock == "virtual":
+        preset = dict(VIRTUAL_QUICK if args.quick else VIRTUAL)
+        if args.engine != "sim":
+            parser.error("--clock virtual runs the sim engine backend only")
+    else:
+        preset = dict(QUICK if args.quick else FULL)
+    for name in ("prefill", "decode"):
+        if getattr(args, name) is not None:
+            preset[f"num_{name}"] = getattr(args, name)
+    preset.setdefault("num_prefill", 2)
+    preset.setdefault("num_decode", 2)
     num_requests = preset["num_requests"] if args.num_requests is None else args.num_requests
     scales: tuple[float, ...] = preset["time_scales"]  # type: ignore[assignment]
     if args.time_scales:
         scales = _numbers(args.time_scales, "--time-scales", parser)
         preset["policy_time_scale"] = scales[len(scales) // 2]
     tbt_slos = _numbers(args.tbt_slos_ms, "--tbt-slos-ms", parser)
-    if min(scales) <= 0 or num_requests < 2 or min(args.prefill, args.decode) < 1:  # type: ignore[operator]
+    pools = (int(preset["num_prefill"]), int(preset["num_decode"]))  # type: ignore[call-overload]
+    if min(scales) <= 0 or num_requests < 2 or min(pools) < 1:  # type: ignore[operator]
         parser.error("time scales must be positive, --num-requests at least 2, --prefill and --decode at least 1")
     if min(args.input_scale, args.output_scale, args.ttft_slo_ms, *tbt_slos) <= 0:
         parser.error("scales and SLOs must be positive")
     preset |= {"num_requests": num_requests, "time_scales": scales}
     if args.policies:
         policies = tuple(args.policies.split(","))
-        unknown = sorted(set(policies) - set(POLICIES))
+        unknown = sorted(set(policies) - set(ALL_POLICIES))
         if unknown:
-            parser.error(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+            parser.error(f"unknown policies {', '.join(unknown)}; choose from {', '.join(ALL_POLICIES)}")
         preset["policies"] = policies
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-mooncake-"))
-    return ExperimentConfig(trace=args.trace, log_dir=log_dir, profile=args.profile, num_prefill=args.prefill,
-                            num_decode=args.decode, engine=args.engine, input_scale=args.input_scale,
+    return ExperimentConfig(trace=args.trace, log_dir=log_dir, profile=args.profile, clock=args.clock,
+                            parallel=max(1, args.parallel), engine=args.engine, input_scale=args.input_scale,
                             output_scale=args.output_scale, ttft_slo_ms=args.ttft_slo_ms, tbt_slos_ms=tbt_slos,
                             **preset)  # type: ignore[arg-type]
 
@@ -137,7 +171,7 @@ def _run(config: ExperimentConfig, args: argparse.Namespace, argv: list[str]) ->
     report = write_report(results, args.report, command, time.monotonic() - started)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(to_json(results), indent=2, default=str))
+        args.json.write_text(json.dumps(to_json(results, time.monotonic() - started), indent=2, default=str))
     say(f"report: {report}" + (f"; json: {args.json}" if args.json else ""))
     for key, ratio in results.ratios.items():
         say(f"effective capacity at TBT {key} ms: tsukimi / baseline = {ratio}")

@@ -20,9 +20,10 @@ from loadgen.client import ClientOptions, ServerError, resolve_model
 from loadgen.metrics import Slo, Summary, summarize
 from loadgen.record import RequestRecord
 from loadgen.runner import RunOptions, run
-from loadgen.trace import TraceOptions, load_trace
+from loadgen.trace import TraceOptions, load_trace, read_trace
 from loadgen.workload import PlannedRequest
 from shared.tools.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
+from shared.tools.experiment.virtual import VirtualOutcome, VirtualRun, run_virtual_runs
 
 TSUKIMI, BASELINE = "tsukimi", "baseline"
 
@@ -30,6 +31,7 @@ TSUKIMI, BASELINE = "tsukimi", "baseline"
 class ExperimentError(ValueError):
     """The experiment cannot be run as configured; the message says why."""
 POLICIES = ("random", "least_loaded", "local_cache_aware", "conductor")
+ALL_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")  # the virtual clock's
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class ExperimentConfig:
         engine: "sim" (`profile` stands for each instance) or "real" (the default model on this machine's CPU).
         input_scale, output_scale: shrink the trace's lengths, keeping its prefix sharing (for the real model).
         kv_cache_mb: each real engine's KV pool (the sim's comes from its profile's GPU memory).
+        clock: "wall" (every run a fresh `tsukimi up` on loopback) or "virtual" (every run one `python -m
+            services.virtual` process: the whole cluster on a virtual clock, `parallel` runs at once).
     """
 
     trace: Path
@@ -66,6 +70,8 @@ class ExperimentConfig:
     tbt_slos_ms: tuple[float, ...] = (100.0, 200.0, 300.0)
     request_timeout_s: float = 180.0
     seed: int = 0
+    clock: str = "wall"  # "wall": real processes in real time; "virtual": services.virtual, nothing sleeps
+    parallel: int = 1  # virtual runs at once (each is one process on one core)
 
     def slos(self) -> list[Slo]:
         return [Slo(self.ttft_slo_ms, tbt) for tbt in self.tbt_slos_ms]
@@ -122,6 +128,8 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
         ExperimentError: the replayed requests all arrive at once, so there is no load to sweep.
     """
     runs = plan_runs(config)
+    if config.clock == "virtual":
+        return _run_virtual(config, runs, say)
     base = load_trace(config.trace, TraceOptions(
         config.num_requests, 1.0, config.input_scale, config.output_scale, seed=config.seed))
     workloads = {scale: [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in base]
@@ -137,6 +145,38 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
         _run_one(config, outcome, requests, config.log_dir / f"run-{index:02d}-{planned.system}-{planned.policy}",
                  say)
         outcomes.append(outcome)
+    return outcomes
+
+
+def _run_virtual(config: ExperimentConfig, runs: list[_Run], say: Callable[[str], None]) -> list[RunOutcome]:
+    """Every planned run as a `python -m services.virtual` process, `config.parallel` at a time."""
+    entries = read_trace(config.trace, config.num_requests)
+    span_s = (entries[-1].timestamp_ms - entries[0].timestamp_ms) / 1000.0 if entries else 0.0
+    if span_s <= 0:
+        raise ExperimentError(f"the trace's first {len(entries)} requests all arrive at the same time (the trace "
+                              "counts time in 3 s steps): replay more of them (--num-requests)")
+    env = {"TSUKIMI_REJECTION": "off", "TSUKIMI_SLO_TTFT_MS": f"{config.ttft_slo_ms:g}",
+           "TSUKIMI_SLO_TBT_MS": f"{max(config.tbt_slos_ms):g}"}
+    engines = config.num_prefill + config.num_decode
+    planned = [VirtualRun(
+        config.trace, config.num_requests, run.time_scale, config.profile, config.num_prefill, config.num_decode,
+        engines if run.system == BASELINE else config.num_cache_stores, engines if run.system == BASELINE else 0,
+        env | {"TSUKIMI_POLICY": run.policy}, config.log_dir / f"run-{i:02d}-{run.system}-{run.policy}",
+    ) for i, run in enumerate(runs, 1)]
+    outcomes = [RunOutcome(run.system, run.policy, run.time_scale, len(entries) / (span_s * run.time_scale))
+                for run in runs]
+    say(f"{len(runs)} runs of {len(entries)} requests, {config.parallel} at a time")
+
+    def done(index: int, got: VirtualOutcome) -> None:
+        outcome = outcomes[index]
+        outcome.records, outcome.placements, outcome.error, outcome.wall_s = (
+            got.records, got.placements, got.error, got.wall_s)
+        first = outcome.summary(config.slos()[0])
+        say(f"[{index + 1}/{len(runs)}] {outcome.label}: " + (outcome.error or (
+            f"{got.virtual_s:.0f} s simulated in {got.wall_s:.0f} s; {first.num_completed} completed, "
+            f"{first.num_failed} failed; TTFT mean {_ms(first.ttft.mean_ms)}, TBT p90 {_ms(first.tbt.p90_ms)}")))
+
+    run_virtual_runs(planned, config.parallel, done)
     return outcomes
 
 

@@ -24,7 +24,16 @@ def write_report(results: Results, folder: Path, command: str, took_s: float) ->
 
 def _intro(results: Results, command: str, took_s: float) -> list[str]:
     c = results.config
-    if c.engine == "sim":
+    if c.clock == "virtual":
+        title, what = "# The Mooncake experiment, simulated on a virtual clock", (
+            f"**Simulation on a virtual clock.** No model ran and nothing slept: every run was the whole cluster in "
+            "one process (`python -m services.virtual`: the real scheduler, prefill, decode and cache-store service "
+            "classes and the gateway's request sessions over an in-process NATS and a modelled network, 4 x 200 "
+            f"Gbps per node), each engine step taking the time a roofline model of `{c.profile}` predicts "
+            "(shared/sim/profiles.py, shared/sim/cost.py). What differs from a deployment: "
+            "docs/experiments/virtual-clock.md. The paper measured (and partly simulated) real hardware; these "
+            "figures show what the same scheduling does under a cost model.")
+    elif c.engine == "sim":
         title, what = "# The Mooncake experiment, simulated", (
             f"**Simulation.** No model ran. Every engine step slept for the time a roofline model of `{c.profile}` "
             "predicts (shared/sim/profiles.py, shared/sim/cost.py); the gateway, NATS, the scheduler and the "

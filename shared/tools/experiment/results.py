@@ -59,12 +59,17 @@ def _mean_ttft_s(run: RunOutcome) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def to_json(results: Results) -> dict[str, Any]:
+def to_json(results: Results, wall_s: float | None = None) -> dict[str, Any]:
     """One object: `effective_capacity_ratio` (TBT SLO ms as a string -> tsukimi / baseline capacity) with its bounds,
-    `avg_ttft_s_by_policy`, the capacities, the shares, every run's summaries, and the paper's figures."""
+    `avg_ttft_s_by_policy`, the capacities, the shares, every run's summaries, and the paper's figures; `clock`,
+    `num_requests` (per run), `num_nodes` (each system's) and `wall_s` (the whole experiment)."""
     config = results.config
     return {
         "simulation": config.engine == "sim",
+        "clock": config.clock,
+        "num_requests": max((len(run.records) for run in results.runs), default=0),
+        "num_nodes": config.num_prefill + config.num_decode,
+        "wall_s": None if wall_s is None else round(wall_s, 1),
         "profile": config.profile if config.engine == "sim" else None,
         "effective_capacity_ratio": {k: r.value for k, r in results.ratios.items()},
         "effective_capacity_ratio_bound": {k: r.bound for k, r in results.ratios.items()},

@@ -184,12 +184,12 @@ def stop_system(system: RunningSystem) -> tuple[int | None, float]:
     return code, time.monotonic() - started
 
 
-def placement_counts(log_dir: Path, request_prefix: str = "") -> dict[str, int]:
+def placement_counts(log_dir: Path, request_prefix: str = "", pattern: str = "scheduler*.log") -> dict[str, int]:
     """What the scheduler decided for the requests whose id starts with `request_prefix`, from its JSON log lines
     (`"event": "placed"` / `"rejected"`): placed, fetch_from_pool true/false, on_decode, reused blocks, and
     placements per prefill and decode instance. Empty when there is no scheduler log."""
     counts: Counter[str] = Counter()
-    for path in sorted(log_dir.glob("scheduler*.log")):
+    for path in sorted(log_dir.glob(pattern)):
         for line in path.read_text(errors="replace").splitlines():
             if '"event": "placed"' not in line and '"event": "rejected"' not in line:
                 continue
