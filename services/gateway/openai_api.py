@@ -91,9 +91,10 @@ def parse_options(body: dict[str, Any]) -> GenerationOptions:
     n = _int(body, "n", 1, _INT64 - 1)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
+    legacy_max_tokens = _int(body, "max_tokens", 1, _INT64 - 1)  # checked even when the newer name wins
     max_tokens = _int(body, "max_completion_tokens", 1, _INT64 - 1)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, _INT64 - 1)
+        max_tokens = legacy_max_tokens
     top_k = _int(body, "top_k", -1, _INT64 - 1)
     stream = _bool(body, "stream") or False
     try:

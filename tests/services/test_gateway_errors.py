@@ -42,6 +42,7 @@ BAD_CHAT: list[tuple[Any, str | None]] = [
     ({**CHAT, "max_tokens": True}, "max_tokens"),
     ({**CHAT, "max_tokens": 2.0}, "max_tokens"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "max_completion_tokens": 5, "max_tokens": ["5"]}, "max_tokens"),  # the newer name wins, both checked
     ({**CHAT, "temperature": "hot"}, "temperature"),
     ({**CHAT, "temperature": True}, "temperature"),
     ({**CHAT, "temperature": -1}, "temperature"),
