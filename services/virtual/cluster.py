@@ -92,14 +92,15 @@ class Instance:
 
 
 class VirtualCluster:
-    """The instances of a `ClusterSpec` on one `VirtualLoop`; `client` connections for whoever drives it."""
+    """The instances of a `ClusterSpec` on one `VirtualLoop`; `connect` gives whoever drives it a bus of its own."""
 
     def __init__(self, spec: ClusterSpec, loop: VirtualLoop) -> None:
         if not is_installed_for(inspect.signature(LiveInstances).parameters["clock"].default):
             raise RuntimeError("the services were imported before services.virtual.clock.install(): their clocks "
                                "would be real")
         self.spec, self.loop = spec, loop
-        PrefixLoad.condition_type = VirtualCondition  # type: ignore[assignment]  # the engine waits in lock-step
+        # For this process's life: a prefill engine waits for prefix KV in lock-step with the loop.
+        PrefixLoad.condition_type = VirtualCondition  # type: ignore[assignment]
         self.network = Network(spec.network)
         self.nats = VirtualNats(self.network)
         self.subjects = Subjects(load_role_settings(SchedulerSettings, "scheduler", self._env({})).subject_prefix)
@@ -148,9 +149,6 @@ class VirtualCluster:
             await _in_context(instance.context, instance.service.stop())
             await instance.bus.drain()
         self.instances.clear()
-
-    def of_role(self, role: str) -> list[Instance]:
-        return [i for i in self.instances if i.role == role]
 
 
 async def _in_context(context: contextvars.Context, awaitable: Awaitable[Any]) -> Any:
