@@ -1,6 +1,7 @@
 """The command line of `python -m services.virtual`: which cluster, which trace, and where the outcome goes (one JSON
-object: every request's record as the client saw it, the scheduler's placements, the network's traffic, the wall and
-virtual seconds). `tsukimi-loadgen experiment mooncake --clock virtual` runs it once per run of an experiment.
+object: every request's record as the client saw it, the network's traffic, the wall and virtual seconds; the
+scheduler's placements are in the log file). `tsukimi-loadgen experiment mooncake --clock virtual` runs it once per
+run of an experiment.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     pools.add_argument("--colocated", type=int, default=0, metavar="N",
                        help="instead: N colocated instances that prefill their own requests (the baseline)")
     pools.add_argument("--cache-stores", type=int, metavar="K",
-                       help="cache-store shards, one on each of the first K nodes (default: one per engine node)")
+                       help="cache-store shards, one on each of the first K nodes (default: one per prefill node; "
+                            "colocated: one per node)")
     pools.add_argument("--profile", choices=sorted(PROFILES), default="llama3-70b-8xa800",
                        help="the model and GPUs each node stands for (default llama3-70b-8xa800)")
     pools.add_argument("--bandwidth-gbps", type=float, default=NetworkSpec().bandwidth / GBIT, metavar="G",
@@ -75,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         env[name] = value
     if min(args.prefill, args.decode) < 1 and not args.colocated:
         p.error("--prefill and --decode must be at least 1 (or give --colocated N)")
+    if args.colocated < 0 or (args.cache_stores is not None and args.cache_stores < 1):
+        p.error("--colocated must be at least 0 and --cache-stores at least 1")
+    if args.num_requests is not None and args.num_requests < 1:
+        p.error("--num-requests must be at least 1")
     if not (args.time_scale > 0 and args.bandwidth_gbps > 0 and args.latency_us >= 0):
         p.error("--time-scale and --bandwidth-gbps must be positive, --latency-us at least 0")
     try:
