@@ -82,14 +82,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             thread.stop()
         super().close()
 
-    @property
-    def vthreads(self) -> list[VirtualThread]:
-        return list(self._vthreads.values())
-
 
 class _JumpingSelector(selectors.BaseSelector):
     """asyncio asks it to wait `timeout` seconds for I/O; it moves the virtual clock instead (there is no I/O to
-    wait for but the self-pipe, which it polls)."""
+    wait for but the self-pipe, read only before it gives up)."""
 
     def __init__(self, loop: VirtualLoop) -> None:
         self.loop = loop
@@ -137,7 +133,6 @@ class VirtualThread:
         self.loop, self.name, self.threaded = loop, name, threaded
         self.cursor = 0.0  # this thread's clock while it works
         self.free_at = 0.0  # when its last call ended
-        self.busy_s = 0.0  # virtual seconds it spent working
         self._pending: deque[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = deque()
         self._running: tuple[asyncio.Future[Any], float] | None = None  # the call under way and when it started
         self._os_thread: threading.Thread | None = None
@@ -180,7 +175,6 @@ class VirtualThread:
         future, started = self._running
         self._running = None
         self.free_at = self.cursor
-        self.busy_s += self.cursor - started
         self.loop.call_at(self.cursor, _settle, future, *outcome)
 
     # ---- threaded mode: the loop and this thread pass control back and forth ------------------------------------
@@ -270,11 +264,6 @@ class VirtualCondition:
 
     def notify_all(self) -> None:
         waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            waiter.thread.loop.call_soon(waiter.fire, True)
-
-    def notify(self, n: int = 1) -> None:
-        waiters, self._waiters = self._waiters[:n], self._waiters[n:]
         for waiter in waiters:
             waiter.thread.loop.call_soon(waiter.fire, True)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,7 +38,7 @@ from shared.wire.heartbeat import LiveInstances
 from shared.wire.protocol import Subjects
 
 VIRTUAL_URL = "nats://virtual"  # never dialled: every connection is in-process
-Build = Callable[[Any, Bus], Awaitable[Service]]
+Build = Callable[[Any, Bus], Coroutine[Any, Any, Service]]
 _BUILDS: dict[str, tuple[type[ServiceSettings], Build]] = {
     "scheduler": (SchedulerSettings, scheduler_main.build),
     "prefill": (EngineSettings, prefill_main.build),
@@ -75,7 +75,7 @@ class ClusterSpec:
 
     def env_for_all(self) -> dict[str, str]:
         return {**SIM_ENV_DEFAULTS, "TSUKIMI_ENGINE": "sim", "TSUKIMI_SIM_PROFILE": self.profile,
-                "TSUKIMI_LOG_FORMAT": "json", **self.env}
+                **self.env}
 
 
 @dataclass
@@ -103,11 +103,8 @@ class VirtualCluster:
         PrefixLoad.condition_type = VirtualCondition  # type: ignore[assignment]
         self.network = Network(spec.network)
         self.nats = VirtualNats(self.network)
-        self.subjects = Subjects(load_role_settings(SchedulerSettings, "scheduler", self._env({})).subject_prefix)
+        self.subjects = Subjects(load_role_settings(SchedulerSettings, "scheduler", spec.env_for_all()).subject_prefix)
         self.instances: list[Instance] = []
-
-    def _env(self, own: Mapping[str, str]) -> dict[str, str]:
-        return {**self.spec.env_for_all(), **own}
 
     def connect(self, name: str, node: str) -> Bus:
         """A bus for something outside the services (the replay's gateway side)."""
@@ -151,11 +148,7 @@ class VirtualCluster:
         self.instances.clear()
 
 
-async def _in_context(context: contextvars.Context, awaitable: Awaitable[Any]) -> Any:
-    """Await `awaitable` as a task of its own in `context` (so the tasks it starts inherit the instance's log
-    fields)."""
-    async def run() -> Any:
-        return await awaitable
-
-    return await asyncio.get_running_loop().create_task(run(), context=context)
+async def _in_context(context: contextvars.Context, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await `coro` as a task of its own in `context` (so the tasks it starts inherit the instance's log fields)."""
+    return await asyncio.get_running_loop().create_task(coro, context=context)
 

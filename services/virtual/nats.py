@@ -164,7 +164,6 @@ class VirtualNats:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._client_ids = itertools.count()
-        self.num_published = 0
 
     def connect(self, name: str, node: str) -> VirtualNatsClient:
         return VirtualNatsClient(self, name, node, next(self._client_ids))
@@ -207,7 +206,6 @@ class VirtualNats:
         targets = self.receivers(subject)
         if not targets:
             return 0
-        self.num_published += 1
         loop = asyncio.get_running_loop()
         now, size = loop.time(), wire_bytes(data)
         for sub in targets:

@@ -18,7 +18,7 @@ from loadgen.prompts import BlockTokens
 from loadgen.record import RequestRecord
 from loadgen.trace import TRACE_BLOCK_LEN, TraceEntry
 from services.gateway.__main__ import model_info
-from services.gateway.backend import NatsBackend
+from services.gateway.backend import COLOCATED_ROLES_FOR_HEALTH, ROLES_FOR_HEALTH, NatsBackend
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.prompt import PromptBuilder
@@ -26,7 +26,7 @@ from services.gateway.session import Deadlines, Session
 from services.virtual.cluster import VirtualCluster
 from shared.config import GatewaySettings, load_role_settings
 from shared.engine.block_hash import block_hashes
-from shared.wire.protocol import Role, SamplingParams, SubmitRequest
+from shared.wire.protocol import SamplingParams, SubmitRequest
 
 GATEWAY_NODE = "gateway"
 
@@ -52,7 +52,6 @@ class Replay:
                  on_done: Callable[[RequestRecord], None] | None = None) -> None:
         self.cluster, self.options, self.on_done = cluster, options, on_done
         settings = load_role_settings(GatewaySettings, "gateway", cluster.spec.env_for_all())
-        self.settings = settings
         self.block_size = settings.engine.block_size
         self.namespace = PromptBuilder(model_info(settings), self.block_size).namespace
         self.backend = NatsBackend(cluster.connect("gateway-0", GATEWAY_NODE), settings.instance_timeout_s)
@@ -85,9 +84,7 @@ class Replay:
 
     async def _wait_ready(self) -> None:
         """Until the gateway would say healthy: a live scheduler and the engine roles."""
-        roles = [Role.SCHEDULER.value, Role.DECODE.value]
-        if not self.cluster.spec.colocated:
-            roles.append(Role.PREFILL.value)
+        roles = COLOCATED_ROLES_FOR_HEALTH if self.cluster.spec.colocated else ROLES_FOR_HEALTH
         deadline = time.monotonic() + self.options.ready_timeout_s
         while not all(self.backend.num_alive(role) for role in roles):
             if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ from loadgen.record import RequestRecord
 from loadgen.runner import RunOptions, run
 from loadgen.trace import TraceOptions, load_trace, read_trace
 from loadgen.workload import PlannedRequest
+from shared.config import POLICIES as SCHEDULER_POLICIES
 from shared.tools.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
 from shared.tools.experiment.virtual import VirtualOutcome, VirtualRun, run_virtual_runs
 
@@ -31,7 +32,7 @@ TSUKIMI, BASELINE = "tsukimi", "baseline"
 class ExperimentError(ValueError):
     """The experiment cannot be run as configured; the message says why."""
 POLICIES = ("random", "least_loaded", "local_cache_aware", "conductor")
-ALL_POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")  # the virtual clock's
+ALL_POLICIES = SCHEDULER_POLICIES  # every policy the scheduler has (the virtual clock compares them all)
 
 
 @dataclass(frozen=True)
