@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Protocol
 
 from nats.aio.subscription import Subscription
@@ -67,27 +68,55 @@ class Backend(Protocol):
 
 
 class _NatsEventStream:
+    """One request's events as they arrive. A wait per token makes no timer: the stream keeps one, and when it fires
+    early (the stream made progress since it was set) it moves on to the latest deadline."""
+
     def __init__(self, backend: NatsBackend, request_id: str) -> None:
         self.backend, self.request_id = backend, request_id
-        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.events: deque[StreamEvent] = deque()
         self.subscription: Subscription | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     async def on_message(self, msg: StreamEvent) -> None:
-        if msg.request_id == self.request_id:
-            self.queue.put_nowait(msg)
-        else:
+        if msg.request_id != self.request_id:
             log.warning("unexpected message on a stream subject", request_id=self.request_id, kind=msg.KIND)
+            return
+        self.events.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next_event(self, timeout_s: float) -> StreamEvent | None:
-        if not self.queue.empty():
-            return self.queue.get_nowait()
+        if self.events:
+            return self.events.popleft()
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout_s
+        if self._timer is not None and self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._on_timer, loop)
+        self._waiter = loop.create_future()
         try:
-            async with asyncio.timeout(timeout_s):  # no task of its own, as wait_for would make per event
-                return await self.queue.get()
-        except TimeoutError:
-            return None
+            await self._waiter
+        finally:
+            self._waiter = None
+        return self.events.popleft() if self.events else None
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # nobody waits: the next wait sets a timer
+        if loop.time() >= self._deadline:
+            self._waiter.set_result(None)  # timed out: next_event finds no event
+        else:
+            self._timer = loop.call_at(self._deadline, self._on_timer, loop)
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         subscription, self.subscription = self.subscription, None
         if subscription is None:
             return

@@ -5,6 +5,8 @@ No client library: the gateway needs a handful of series and nothing else. Times
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -38,6 +40,8 @@ class _Metric:
         self.name, self.help_text, self.label_names = name, help_text, tuple(label_names)
 
     def _key(self, labels: dict[str, str]) -> LabelValues:
+        if not labels and not self.label_names:  # the per-token metrics: no labels to check
+            return ()
         if set(labels) != set(self.label_names):
             raise ValueError(f"{self.name} takes labels {self.label_names}, got {sorted(labels)}")
         return tuple(str(labels[n]) for n in self.label_names)
@@ -83,7 +87,7 @@ class Gauge(Counter):
 
 @dataclass
 class _Buckets:
-    counts: list[int]
+    counts: list[int]  # observations in each bucket alone (above the bound before); cumulated when rendered
     total: float = 0.0
     count: int = 0
 
@@ -100,17 +104,17 @@ class Histogram(_Metric):
 
     def observe(self, value: float, **labels: str) -> None:
         key = self._key(labels)
-        series = self.series.setdefault(key, _Buckets([0] * len(self.bounds)))
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                series.counts[i] += 1
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = _Buckets([0] * (len(self.bounds) + 1))
+        series.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value; past all: +Inf
         series.total += value
         series.count += 1
 
     def _samples(self) -> list[str]:
         lines = []
         for key, series in sorted(self.series.items()):
-            for bound, count in zip([*self.bounds, math.inf], [*series.counts, series.count], strict=True):
+            for bound, count in zip([*self.bounds, math.inf], itertools.accumulate(series.counts), strict=True):
                 labels = _labels(self.label_names, key, f'le="{_number(bound)}"')
                 lines.append(f"{self.name}_bucket{labels} {count}")
             lines.append(f"{self.name}_sum{_labels(self.label_names, key)} {_number(series.total)}")

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.wire.bus import Bus
 from shared.wire.log import get_logger
@@ -43,6 +44,14 @@ class Load:
     max_num_seqs: int = 0
 
 
+_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Load))
+
+
+def _copied(value: Any) -> Any:
+    """A list of the load copied two levels deep (`samples` rows are lists); anything else is immutable."""
+    return [list(v) if type(v) is list else v for v in value] if type(value) is list else value
+
+
 def new_epoch() -> int:
     """An epoch for this process start: listeners then know its caches and queues started empty."""
     return time.time_ns() ^ os.getpid()
@@ -67,7 +76,8 @@ class HeartbeatSender:
         self._task: asyncio.Task[None] | None = None
 
     def beat(self) -> Heartbeat:
-        figures = dataclasses.asdict(self.load())  # deep copies: the beat shares no list with the service
+        load = self.load()  # the beat shares no list with the service: lists (of strs, of sample rows) copied
+        figures = {name: _copied(getattr(load, name)) for name in _LOAD_FIELDS}
         return Heartbeat(self.instance_id, self.role, self.epoch, time.time(), **figures)
 
     async def send_now(self) -> None:

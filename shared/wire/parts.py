@@ -67,7 +67,7 @@ class PartBody:
     data: bytes
 
     def fields(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"codec": self.codec, "raw_size": self.raw_size, "checksum": self.checksum, "data": self.data}
 
 
 def encode_part(raw: Payload, itemsize: int, compress_payload: bool = True) -> PartBody:
