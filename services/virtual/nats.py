@@ -23,7 +23,7 @@ import nats.errors
 from services.virtual.network import Network
 from shared.wire.log import get_logger
 from shared.wire.payload import CODEC_SIZE_ONLY
-from shared.wire.protocol import ProtocolError, decode
+from shared.wire.protocol import unchecked_fields
 
 log = get_logger(__name__)
 MAX_PAYLOAD = 8 << 20
@@ -308,12 +308,12 @@ def _matches(pattern: list[str], tokens: list[str]) -> bool:
 
 
 def wire_bytes(data: bytes) -> int:
-    """The bytes a message stands for: its encoding, plus what a size-only payload in it stands for."""
+    """The bytes a message stands for: its encoding, plus what a size-only payload in it stands for (read from the
+    unpacked fields alone: the receiver's `decode` checks the message, this only sizes it)."""
     if _SIZE_ONLY_MARK not in data:
         return len(data)
-    try:
-        msg = decode(data)
-    except ProtocolError:
+    fields = unchecked_fields(data)
+    if fields is None:  # not a message: the receiver says so; it stands for its bytes
         return len(data)
-    stands_for = getattr(msg, "raw_size", 0) if getattr(msg, "codec", "") == CODEC_SIZE_ONLY else 0
-    return len(data) + int(stands_for)
+    stands_for = fields.get("raw_size", 0) if fields.get("codec") == CODEC_SIZE_ONLY else 0
+    return len(data) + (stands_for if type(stands_for) is int and stands_for > 0 else 0)

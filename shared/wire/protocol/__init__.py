@@ -3,7 +3,16 @@ subject (`subjects.py`). Import from here: `from shared.wire.protocol import Han
 """
 
 from shared.wire.protocol import checks  # noqa: E402, F401  (registers every message's invariants with decode)
-from shared.wire.protocol.base import PROTOCOL_VERSION, Message, ProtocolError, decode, encode, message, message_types
+from shared.wire.protocol.base import (
+    PROTOCOL_VERSION,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    message,
+    message_types,
+    unchecked_fields,
+)
 from shared.wire.protocol.messages import (
     Ack,
     BlockGet,
@@ -37,5 +46,5 @@ __all__ = [
     "HandoffStart", "Heartbeat", "KvChunk", "KvEvent", "Message",
     "PrefillTask", "ProtocolError", "Role", "SamplingError", "SamplingParams", "Snapshot", "SnapshotRequest",
     "StreamEvent", "SubmitReply", "SubmitRequest", "Subjects",
-    "decode", "encode", "is_valid_request_id", "message", "message_types",
+    "decode", "encode", "is_valid_request_id", "message", "message_types", "unchecked_fields",
 ]

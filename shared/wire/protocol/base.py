@@ -93,6 +93,16 @@ def decode(data: bytes, expected: type[T] | None = None) -> Any:
     return _from_wire(cls, fields)
 
 
+def unchecked_fields(data: bytes) -> dict[Any, Any] | None:
+    """The fields of an encoded message as they came, nothing checked (for sizing what passes, never for acting on
+    it: that is `decode`'s); None for bytes that are not a message's shape."""
+    try:
+        _, _, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
 def _to_wire(msg: Message) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _field_names(type(msg)):
