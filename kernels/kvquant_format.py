@@ -69,7 +69,7 @@ class KvQuantTables:
 
     def outliers_per_head(self, num_tokens: int, head_dim: int) -> int:
         """Sparse value outliers kept per KV head in a block of `num_tokens` tokens."""
-        return math.ceil(self.outlier_fraction * num_tokens * head_dim - 1e-9)
+        return outliers_per_head(self.outlier_fraction, num_tokens, head_dim)
 
     def section_sizes(self, kv_heads: int, num_tokens: int, head_dim: int) -> list[tuple[str, int]]:
         """(section, bytes) of a block row in layout order, the sink excluded (it follows the row when present)."""
@@ -232,6 +232,11 @@ def _key_range_points(
     low_point = torch.floor((low - base) / step).clamp(0, top - 1)
     high_point = torch.maximum(torch.ceil((high - base) / step).clamp(0, top), low_point + 1)
     return low_point.to(torch.uint8), high_point.to(torch.uint8)
+
+
+def outliers_per_head(outlier_fraction: float, num_tokens: int, head_dim: int) -> int:
+    """Sparse value outliers kept per KV head in a block of `num_tokens` tokens at that share of its values."""
+    return math.ceil(outlier_fraction * num_tokens * head_dim - 1e-9)
 
 
 def section_sizes(bits: int, kv_heads: int, num_tokens: int, head_dim: int, num_outliers: int) -> list[tuple[str, int]]:

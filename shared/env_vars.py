@@ -36,6 +36,10 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_ENGINE", "real",
                "real (run the model) or sim (steps sleep for a roofline model of TSUKIMI_SIM_PROFILE)"),
         EnvVar("TSUKIMI_SIM_PROFILE", "llama3-70b-8xa800", "model and GPUs the sim engine stands for"),
+        EnvVar("TSUKIMI_SIM_KV_CODEC", "none",
+               "the sim engine's KV in the pool and on every wire at this codec's bytes (none: the dtype's); sizes "
+               "alone, so no calibration: kvquant-b at its width and default outlier share. GPU memory keeps the "
+               "dtype's"),
         EnvVar("TSUKIMI_DEPLOYMENT", "disaggregated",
                "disaggregated (prefill and decode pools) or colocated (decode instances prefill too, no prefill pool)"),
         EnvVar("TSUKIMI_DEVICE", "auto", "cpu, cuda, cuda:N or auto"),
@@ -58,6 +62,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "512",
                "tokens per forward step (the prefill chunk; on CPU a token costs the same from ~256 a step up, and "
                "smaller steps finish prompts sooner and interleave shorter; GPUs want more)"),
+        EnvVar("TSUKIMI_PREFIX_CACHING", "on",
+               "an engine reuses the KV of full blocks it computed or loaded before (its local prefix cache); off "
+               "stands for a baseline without it"),
         EnvVar("TSUKIMI_HEARTBEAT_S", "0.5", "seconds between heartbeats of an instance"),
         EnvVar("TSUKIMI_WARMUP", "on",
                "prefill and decode time a few steps of their own before serving, for the scheduler's cost models"),

@@ -107,8 +107,10 @@ async def load_engine(
     if settings.engine_kind == "sim":
         from shared.sim.engine import build_sim_engine
 
-        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, config, None, on_block_event)
+        engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, config, None, on_block_event,
+                                         settings.sim_kv_codec)
         log.info("simulated engine: steps sleep for a roofline model, no model runs", profile=settings.sim_profile,
+                 sized_kv_codec=settings.sim_kv_codec,
                  kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
         return engine
     return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, config, on_block_event)

@@ -23,6 +23,7 @@ from shared.config.settings import (
 from shared.engine.config import EngineConfig
 from shared.env_vars import ENV_VARS
 from shared.fastgen.policies import FastGenSettings, parse_shares
+from shared.kvcompress.names import CODEC_NAMES
 from shared.sim.profiles import PROFILES
 
 POLICIES = ("random", "round_robin", "least_loaded", "local_cache_aware", "conductor")
@@ -83,6 +84,7 @@ def _service(get: Reader, role: str) -> Fields:
         engine=engine,
         engine_kind=engine_kind,
         sim_profile=get.choice("TSUKIMI_SIM_PROFILE", tuple(PROFILES)),
+        sim_kv_codec=get.choice("TSUKIMI_SIM_KV_CODEC", ("none", *CODEC_NAMES)),
         deployment=get.choice("TSUKIMI_DEPLOYMENT", DEPLOYMENTS),
         heartbeat_s=get.number("TSUKIMI_HEARTBEAT_S", minimum=0.05),
     )
@@ -105,6 +107,7 @@ def _engine(get: Reader) -> EngineConfig:
             block_size=get.integer("TSUKIMI_BLOCK_SIZE", minimum=1),
             max_num_seqs=get.integer("TSUKIMI_MAX_NUM_SEQS", minimum=1),
             max_num_batched_tokens=get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1),
+            enable_prefix_caching=get.switch("TSUKIMI_PREFIX_CACHING"),
             kv_codec=get.text("TSUKIMI_KV_CODEC"), kv_calib=get.text("TSUKIMI_KV_CALIB") or None,
             kv_policy=get.text("TSUKIMI_KV_POLICY"), fastgen=fastgen,
         )

@@ -25,6 +25,7 @@ class ServiceSettings:
     engine: EngineConfig
     engine_kind: str  # "real" or "sim"
     sim_profile: str
+    sim_kv_codec: str  # "none" or a codec name: the sized KV's bytes in the pool and on the wire
     deployment: str  # "disaggregated" or "colocated"
     heartbeat_s: float
 

@@ -7,6 +7,7 @@ UNIFORM_CODEC_NAMES = ("fp16", "int8", "kivi-4", "kivi-3", "kivi-2")  # the same
 KVQUANT_BITS = (2, 3, 4)
 CALIBRATED_CODEC_NAMES = tuple(f"kvquant-{bits}" for bits in KVQUANT_BITS)  # per-layer codebooks from a file
 CODEC_NAMES = (*UNIFORM_CODEC_NAMES, *CALIBRATED_CODEC_NAMES)
+KVQUANT_OUTLIER_FRACTION = 0.01  # the share of values a kvquant calibration keeps as fp16 outliers unless told
 
 
 class KvCalibrationError(ValueError):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from kernels.kvquant_format import outliers_per_head, section_sizes
 from shared.kvcompress.calibration import KvCalibration
 from shared.kvcompress.codec import KvCodec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.names import (
     CALIBRATED_CODEC_NAMES,
     CODEC_NAMES,
+    KVQUANT_OUTLIER_FRACTION,
     KvCalibrationError,
 )
 from shared.kvcompress.uniform import Fp16Codec, Int8Codec, KiviCodec
@@ -35,6 +37,22 @@ def get_codec(name: str) -> KvCodec:
         return CODECS[name]
     except KeyError:
         raise ValueError(f"unknown KV codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}") from None
+
+
+def codec_block_bytes(
+    name: str, kv_heads: int, num_tokens: int, head_dim: int, outlier_fraction: float = KVQUANT_OUTLIER_FRACTION
+) -> int:
+    """One layer's block of that shape under codec `name`, in bytes (no sink), with no calibration: a kvquant
+    block's size depends on its width and outlier share alone (what the sim engine's sizes need).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name in CALIBRATED_CODEC_NAMES:
+        bits = int(name.rsplit("-", 1)[1])
+        num_outliers = outliers_per_head(outlier_fraction, num_tokens, head_dim)
+        return sum(size for _, size in section_sizes(bits, kv_heads, num_tokens, head_dim, num_outliers))
+    return get_codec(name).num_bytes(kv_heads, num_tokens, head_dim)
 
 
 def layer_codecs(

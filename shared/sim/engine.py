@@ -47,11 +47,12 @@ class SimRunner:
         token_id: the token every step produces.
         namespace: of the store's block hashes.
         on_block_event: hears every change of the prefix cache's index (`BlockManager`'s `on_event`).
+        sized_codec: "none", or the codec whose bytes a block has in the pool and on the wire (`SizedKvStore`).
     """
 
     def __init__(
         self, profile: SimProfile, config: EngineConfig, token_id: int, namespace: bytes = b"",
-        on_block_event: BlockEventHook | None = None,
+        on_block_event: BlockEventHook | None = None, sized_codec: str = "none",
     ) -> None:
         if config.kv_policy != "full" or config.kv_codec != "none":
             raise ValueError("the sim engine's KV has sizes alone: no KV codec, no FastGen (they need real values)")
@@ -60,7 +61,7 @@ class SimRunner:
         if num_blocks < 2:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
         blocks = BlockManager(num_blocks, config.block_size, namespace, on_block_event)
-        self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs)
+        self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs, sized_codec=sized_codec)
         self.last_step_s = 0.0  # the predicted time of the last step
         self._last_end = -math.inf  # perf_counter() when the last step ended
 
@@ -114,9 +115,10 @@ def _sleep_until(deadline: float) -> None:
 
 def build_sim_engine(
     profile_name: str, config: EngineConfig, tokenizer_path: str | None = None,
-    on_block_event: BlockEventHook | None = None,
+    on_block_event: BlockEventHook | None = None, sized_codec: str = "none",
 ) -> LLMEngine:
-    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`); `on_block_event` as `SimRunner`'s.
+    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`); `on_block_event` and `sized_codec` as
+    `SimRunner`'s.
 
     Raises:
         ValueError: an unknown profile, or a block size that leaves fewer than 2 blocks.
@@ -124,5 +126,7 @@ def build_sim_engine(
     profile = get_profile(profile_name)
     checkpoint = sim_checkpoint(profile, tokenizer_path)
     token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
-    namespace = make_namespace(checkpoint.fingerprint, config.kv_format)
-    return LLMEngine(checkpoint, config, runner=SimRunner(profile, config, token_id, namespace, on_block_event))
+    kv_format = config.kv_format if sized_codec == "none" else f"{config.kv_format}+{sized_codec}"
+    namespace = make_namespace(checkpoint.fingerprint, kv_format)
+    runner = SimRunner(profile, config, token_id, namespace, on_block_event, sized_codec)
+    return LLMEngine(checkpoint, config, runner=runner)

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 import shared.sim.engine as sim_engine
+from shared.config import ConfigError, load_settings
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.kv.store import PromptKv, PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
+from shared.kvcompress.registry import codec_block_bytes
 from shared.model.checkpoint import Checkpoint
 from shared.model.config import LlamaConfig
 from shared.sim.cost import StepWork, step_time
@@ -26,7 +28,7 @@ from shared.sim.engine import (
     sim_checkpoint,
 )
 from shared.sim.manifest import sim_model_name
-from shared.sim.profiles import GpuSpec, SimProfile, get_profile
+from shared.sim.profiles import SIM_ENV_DEFAULTS, GpuSpec, SimProfile, get_profile
 from shared.wire.handoff.prompt import KvAssembly, assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.payload import SizeOnly
 from shared.wire.protocol import KvChunk, SamplingParams, decode, encode
@@ -273,3 +275,38 @@ def test_blocks_export_as_sizes_and_load_back_as_a_prefix(clock: FakeTime, check
     (out,) = engine.step()
     assert loads[0].is_complete and out.num_cached_tokens == 2 * BLOCK
     assert runner_of(engine).last_step_s == step_time(PROFILE, prefill_work(76, 2 * BLOCK, completes=True)).total
+
+
+def test_a_sized_codec_shrinks_blocks_in_the_pool_and_on_the_wire_not_the_gpu_s_capacity(
+    clock: FakeTime, checkpoint: Checkpoint
+) -> None:
+    config = EngineConfig(block_size=BLOCK, max_num_batched_tokens=CHUNK, max_num_seqs=8)
+    token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
+    raw, packed = SimRunner(PROFILE, config, token_id), SimRunner(PROFILE, config, token_id, sized_codec="kvquant-3")
+    assert packed.store.num_blocks == raw.store.num_blocks  # HBM holds the dtype's KV either way
+    layer = codec_block_bytes("kvquant-3", 8, BLOCK, 128)
+    assert packed.store.block_footprint == 80 * layer
+    assert 4.5 < raw.store.block_footprint / packed.store.block_footprint < 5.5  # 3-bit codes + per-block metadata
+    assert packed.store.block_payload(0, starts_sequence=False) == SizeOnly(80 * layer)
+    assert codec_block_bytes("fp16", 8, BLOCK, 128) == 2 * 8 * BLOCK * 128 * 2
+    with pytest.raises(ValueError, match="unknown KV codec"):
+        codec_block_bytes("zip", 8, BLOCK, 128)
+
+
+def test_the_sized_codec_is_a_setting_of_the_sim() -> None:
+    env = {"TSUKIMI_ENGINE": "sim", **SIM_ENV_DEFAULTS}
+    assert load_settings("decode", env).sim_kv_codec == "none"
+    assert load_settings("prefill", env | {"TSUKIMI_SIM_KV_CODEC": "kvquant-3"}).sim_kv_codec == "kvquant-3"
+    with pytest.raises(ConfigError, match="TSUKIMI_SIM_KV_CODEC"):
+        load_settings("prefill", env | {"TSUKIMI_SIM_KV_CODEC": "zip"})
+
+
+def test_a_baseline_can_turn_the_local_prefix_cache_off(clock: FakeTime) -> None:
+    env = {"TSUKIMI_ENGINE": "sim", **SIM_ENV_DEFAULTS}
+    assert load_settings("decode", env).engine.enable_prefix_caching
+    config = load_settings("decode", env | {"TSUKIMI_PREFIX_CACHING": "off"}).engine
+    engine = build_sim_engine(PROFILE.name, config)
+    shared_prefix = prompt(2 * BLOCK)
+    for start in (1, 7):
+        (out,) = engine.generate([shared_prefix + prompt(40, start=start)], SamplingParams(max_tokens=2))
+        assert out.num_cached_tokens == 0  # the second prompt's first two blocks are computed again

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.kv.store import BlockFormat, LayerCallback, PromptKv, PromptLayerKv
+from shared.kvcompress.registry import codec_block_bytes
 from shared.model.config import LlamaConfig
 from shared.wire.payload import SizeOnly
 
@@ -28,19 +29,22 @@ class SizedKvStore:
     Args:
         kv_format: the engine's (`EngineConfig.kv_format`).
         max_num_seqs: the engine's batch cap.
+        sized_codec: "none", or a codec (`shared.kvcompress`) whose bytes a full block has instead of raw tensors'
+            (in the cache-store and on every wire; the GPU's capacity stays the dtype's).
     """
 
     fastgen: FastGenKv | None = None
 
     def __init__(
         self, model: LlamaConfig, blocks: BlockManager, kv_format: str, max_num_seqs: int,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype = torch.bfloat16, sized_codec: str = "none",
     ) -> None:
         self.blocks, self.num_blocks, self.block_size = blocks, blocks.num_blocks, blocks.block_size
         block_size, self.num_layers = blocks.block_size, model.num_layers
         self.kv_heads, self.head_dim, self.dtype, self.max_num_seqs = model.num_kv_heads, model.head_dim, dtype, \
             max_num_seqs
-        layer_bytes = 2 * model.num_kv_heads * block_size * model.head_dim * dtype.itemsize
+        layer_bytes = (2 * model.num_kv_heads * block_size * model.head_dim * dtype.itemsize if sized_codec == "none"
+                       else codec_block_bytes(sized_codec, model.num_kv_heads, block_size, model.head_dim))
         self.block_format = BlockFormat(kv_format, block_size, layer_bytes, 0, dtype, has_values=False)
 
     @property

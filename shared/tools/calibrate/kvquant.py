@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from kernels.kvquant_format import normalize_blocks, top_mask
 from shared.kvcompress.calibration import KvCalibration
-from shared.kvcompress.names import KVQUANT_BITS
+from shared.kvcompress.names import KVQUANT_BITS, KVQUANT_OUTLIER_FRACTION
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, apply_rotary, build_model
 from shared.tools.calibrate.kmeans import weighted_kmeans_1d
 
-DEFAULT_OUTLIER_FRACTION = 0.01
+DEFAULT_OUTLIER_FRACTION = KVQUANT_OUTLIER_FRACTION
 MAX_KMEANS_SAMPLES = 1 << 20  # per layer and K/V: plenty for 4 to 16 centroids, and k-means stays seconds
 
 
