@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -45,10 +46,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise bad_request(f"the body must be a JSON object, got {type(value).__name__}")
-    where = _first_unencodable(value)
+    where = _first_unencodable(value) if _MAY_HOLD_SURROGATE.search(text) else None
     if where is not None:
         raise bad_request(f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not text", where or None)
     return value
+
+
+# Valid UTF-8 cannot carry a surrogate, so a decoded string holds one only from a `\uD800`-`\uDFFF` escape; a body
+# without one (a long prompt of token ids, say) skips the walk over every value. `\\ud800` matches too: walked.
+_MAY_HOLD_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(name: str) -> float:
