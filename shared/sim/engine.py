@@ -26,6 +26,9 @@ SIM_WORD = " sim"  # what every simulated token decodes to
 # A step that starts within this long of the previous one's end continues a busy engine: the host's own time between
 # them (delivering tokens over NATS, the event loop) counts towards its sleep, as a GPU engine's CPU work overlaps.
 BACK_TO_BACK_S = 0.05
+# `before_layer` returning later than this waited for a prefix layer's KV (an unwaited check takes microseconds): the
+# layer cannot start before that KV is there.
+PREFIX_WAIT_S = 0.0005
 
 
 def sim_checkpoint(profile: SimProfile, tokenizer_path: str | None = None) -> Checkpoint:
@@ -94,14 +97,19 @@ class SimRunner:
 
     def _layer_by_layer(self, start: float, seconds: float, after_layer: LayerCallback | None,
                         before_layer: LayerCallback | None) -> None:
-        """Each layer takes its share of the step; a wait for loaded prefix KV delays the layers after it."""
+        """Each layer takes its share of the step; a wait for loaded prefix KV delays the layers after it. The host's
+        own time in the hooks (sending a layer's KV) overlaps the modelled layers, as a GPU's copies and the CPU's
+        work overlap its compute, unless it falls behind them."""
         num_layers = self.profile.model.num_layers
         per_layer = seconds / num_layers
         due = start
         for layer in range(num_layers):
             if before_layer is not None:
+                asked = time.perf_counter()
                 before_layer(layer)
-            due = max(due, time.perf_counter()) + per_layer
+                if time.perf_counter() - asked > PREFIX_WAIT_S:  # it waited for the layer's KV to arrive
+                    due = max(due, time.perf_counter())
+            due += per_layer
             _sleep_until(due)
             if after_layer is not None:
                 after_layer(layer)

@@ -212,6 +212,22 @@ def test_the_runner_calls_layer_hooks_in_order_and_a_wait_delays_later_layers(cl
     assert partial == {} and runner.last_step_s == step_time(TINY, prefill_work(10, 0, completes=False)).total
 
 
+def test_the_host_s_time_in_layer_hooks_overlaps_the_modelled_layers(clock: FakeTime) -> None:
+    runner = SimRunner(TINY, EngineConfig(block_size=16), token_id=7)
+    seq = Sequence("r1", list(range(20)), 20, SamplingParams())
+    modelled = step_time(TINY, prefill_work(20, 0, completes=True)).total
+    host_s = modelled / TINY.model.num_layers / 2  # sending each layer's KV takes half a layer's time
+
+    def send_layer(layer_idx: int) -> None:
+        clock.now += host_s
+
+    start = clock.now
+    runner.execute(StepPlan([ScheduledChunk(seq, 20)], []), {"r1": [0, 1]}, after_layer=send_layer,
+                   before_layer=lambda i: None)
+    # the last layer's send comes after the step's modelled end; the earlier ones hide under the next layer
+    assert clock.now - start == pytest.approx(modelled + host_s)
+
+
 def test_prompt_kv_travels_as_sizes_from_a_prefill_engine_to_a_decode_engine(
     clock: FakeTime, checkpoint: Checkpoint
 ) -> None:
