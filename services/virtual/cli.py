@@ -1,5 +1,6 @@
 """The command line of `python -m services.virtual`: which cluster, which trace, and where the outcome goes (one JSON
-object: every request's record as the client saw it, the network's traffic, the wall and virtual seconds; the
+object: every request's record as the client saw it, the network's traffic, the pools' load over time, the wall and
+virtual seconds; the
 scheduler's placements are in the log file). `tsukimi-loadgen experiment mooncake --clock virtual` runs it once per
 run of an experiment.
 """
@@ -18,6 +19,7 @@ from loadgen.record import RequestRecord
 from loadgen.trace import TraceError, read_trace
 from services.virtual import clock
 from services.virtual.cluster import ClusterSpec, VirtualCluster
+from services.virtual.load import LoadSampler
 from services.virtual.network import GBIT, NetworkSpec
 from services.virtual.progress import VirtualProgress
 from services.virtual.replay import Replay, ReplayOptions
@@ -58,9 +60,13 @@ def parser() -> argparse.ArgumentParser:
                        help="one-way network latency in microseconds (default 5)")
     pools.add_argument("--env", action="append", default=[], metavar="TSUKIMI_X=VALUE",
                        help="a setting for every instance (policy, SLOs, rejection, capacities); repeatable")
+    p.add_argument("--max-output-tokens", type=int, metavar="N",
+                   help="cap every request's output at N tokens (1: prefill alone, as Mooncake's cache study)")
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="OUT", help="write the outcome here (default: a summary only)")
     out.add_argument("--log-file", type=Path, metavar="F", help="every service's log lines (JSON), info and up")
+    out.add_argument("--load-every-s", type=float, default=10.0, metavar="S",
+                     help="sample the pools' load (the scheduler's view) every S virtual seconds (default 10)")
     out.add_argument("--seed", type=int, default=0, help="seeds the trace blocks' tokens (default 0)")
     out.add_argument("--quiet", action="store_true", help="no progress line")
     return p
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--colocated must be at least 0 and --cache-stores at least 1")
     if args.num_requests is not None and args.num_requests < 1:
         p.error("--num-requests must be at least 1")
+    if (args.max_output_tokens is not None and args.max_output_tokens < 1) or not args.load_every_s > 0:
+        p.error("--max-output-tokens must be at least 1 and --load-every-s positive")
     if not (args.time_scale > 0 and args.bandwidth_gbps > 0 and args.latency_us >= 0):
         p.error("--time-scale and --bandwidth-gbps must be positive, --latency-us at least 0")
     try:
@@ -127,11 +135,15 @@ async def _run(spec: ClusterSpec, entries: list[Any], args: argparse.Namespace,
     loop = asyncio.get_running_loop()
     cluster = VirtualCluster(spec, loop)  # type: ignore[arg-type]
     await cluster.start()
-    replay = Replay(cluster, ReplayOptions(args.time_scale, args.seed), on_done=progress.done)
+    replay = Replay(cluster, ReplayOptions(args.time_scale, args.seed, max_output_tokens=args.max_output_tokens),
+                    on_done=progress.done)
+    sampler = LoadSampler(cluster.scheduler().instances, args.load_every_s, spec.colocated)
     progress.start(replay)
+    sampler.start()
     try:
         records = await replay.run(entries)
     finally:
+        await sampler.stop()
         await cluster.stop()
     return {
         "clock": "virtual",
@@ -139,6 +151,7 @@ async def _run(spec: ClusterSpec, entries: list[Any], args: argparse.Namespace,
         "virtual_s": round(loop.time() - replay.start_s, 3),
         "records": [_compact(r) for r in records],
         "network": {"bytes": cluster.network.bytes_moved, "messages": cluster.network.num_messages},
+        "load_over_time": sampler.series(replay.start_s),
     }
 
 

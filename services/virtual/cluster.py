@@ -26,6 +26,7 @@ import services.decode.__main__ as decode_main
 import services.prefill.__main__ as prefill_main
 import services.scheduler.__main__ as scheduler_main
 from services.common.lifecycle import Service
+from services.scheduler.service import SchedulerService
 from services.virtual.clock import VirtualCondition, VirtualLoop, is_installed_for
 from services.virtual.nats import VirtualNats
 from services.virtual.network import Network, NetworkSpec
@@ -105,6 +106,10 @@ class VirtualCluster:
         self.nats = VirtualNats(self.network)
         self.subjects = Subjects(load_role_settings(SchedulerSettings, "scheduler", spec.env_for_all()).subject_prefix)
         self.instances: list[Instance] = []
+
+    def scheduler(self) -> SchedulerService:
+        """The (first) scheduler instance."""
+        return next(cast(SchedulerService, i.service) for i in self.instances if i.role == "scheduler")
 
     def connect(self, name: str, node: str) -> Bus:
         """A bus for something outside the services (the replay's gateway side)."""

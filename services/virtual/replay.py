@@ -33,11 +33,13 @@ GATEWAY_NODE = "gateway"
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """How to replay: arrival times multiplied by `time_scale`; `seed` of the trace blocks' tokens."""
+    """How to replay: arrival times multiplied by `time_scale`; `seed` of the trace blocks' tokens; every output at
+    most `max_output_tokens` (None: the trace's)."""
 
     time_scale: float = 1.0
     seed: int = 0
     ready_timeout_s: float = 30.0
+    max_output_tokens: int | None = None
 
 
 class Replay:
@@ -94,8 +96,9 @@ class Replay:
 
     async def _one(self, index: int, arrival_s: float, entry: TraceEntry, blocks: BlockTokens) -> RequestRecord:
         prompt = blocks.prompt(list(entry.hash_ids), entry.input_length)
-        record = RequestRecord(index, arrival_s, entry.input_length, entry.output_length)
-        sampling = SamplingParams(max_tokens=entry.output_length, temperature=0.0, ignore_eos=True)
+        output_len = min(entry.output_length, self.options.max_output_tokens or entry.output_length)
+        record = RequestRecord(index, arrival_s, entry.input_length, output_len)
+        sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         request = SubmitRequest(f"trace-{index}", prompt, block_hashes(prompt, self.block_size, self.namespace),
                                 sampling, time.time())
         loop = asyncio.get_running_loop()
