@@ -108,3 +108,25 @@ def test_the_mooncake_experiment_on_the_virtual_clock(tmp_path: Path) -> None:
     assert set(result["avg_ttft_s_by_policy"]) == {"round_robin", "conductor"}
     text = (report / "report.md").read_text()
     assert "virtual clock" in text and "| 100 ms |" in text
+
+
+def test_the_virtual_clock_s_studies_write_their_figures(tmp_path: Path) -> None:
+    """The studies beyond the main sweep, small: each one's runs come back without errors and its JSON keys and
+    report section are there (their figures at scale are in docs/experiments/)."""
+    out, report = tmp_path / "result.json", tmp_path / "report"
+    code = experiment_main([
+        "mooncake", "--clock", "virtual", "--quick", "--num-requests", "24", "--time-scales", "2,1",
+        "--prefill", "1", "--decode", "1", "--policies", "conductor", "--studies", "rejection,pool,kv_codec",
+        "--json", str(out), "--report", str(report), "--log-dir", str(tmp_path / "logs"),
+    ])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert all(run["error"] is None for run in result["runs"])
+    assert set(result["rejections"]) == set(result["load_over_time"]) == {"off", "current", "predicted"}
+    assert result["rejections"]["off"]["rejected"] == 0 and result["load_over_time"]["off"]["t_s"]
+    assert set(result["hit_rate_by_capacity"]) == {"1000000", "3000000", "10000000", "30000000"}
+    assert result["hit_rate_global"] is not None and result["hit_rate_local"] is not None
+    assert result["kv_codec"]["bytes_ratio"] > 4 and set(result["kv_codec"]["hit_rate"]) == {"none", "kvquant-3"}
+    text = (report / "report.md").read_text()
+    assert "Early rejection at twice" in text and "Global pool against local caches" in text
+    assert (report / "load_over_time.png").is_file() and (report / "hit_rate_by_capacity.png").is_file()

@@ -26,12 +26,13 @@ from shared.tools.experiment.mooncake import (
 )
 from shared.tools.experiment.report import write_report
 from shared.tools.experiment.results import compute, to_json
+from shared.tools.experiment.studies import STUDIES
 
 FULL = {"num_requests": 70, "time_scales": (4.0, 2.5, 1.5, 1.0), "policy_time_scale": 2.5, "policies": POLICIES}
 QUICK = {"num_requests": 16, "time_scales": (4.0, 2.0), "policy_time_scale": 2.0, "policies": ("random", "conductor")}
 # The virtual clock (nothing sleeps): the paper's 8P+8D against 16 colocated nodes, all five policies.
 VIRTUAL = {"num_requests": 2000, "time_scales": (2.0, 1.0, 0.7, 0.5), "policy_time_scale": 1.0,
-           "policies": ALL_POLICIES, "num_prefill": 8, "num_decode": 8, "num_cache_stores": 16}
+           "policies": ALL_POLICIES, "num_prefill": 8, "num_decode": 8, "num_cache_stores": 16, "studies": STUDIES}
 VIRTUAL_QUICK = {"num_requests": 200, "time_scales": (2.0, 1.0), "policy_time_scale": 1.0,
                  "policies": ("random", "conductor"), "num_prefill": 2, "num_decode": 2, "num_cache_stores": 4}
 
@@ -54,7 +55,10 @@ system and their ratio, the average TTFT per policy, cache hit rates; beside the
 --clock virtual: every run is instead the whole cluster in one process on a virtual clock (python -m
 services.virtual: the same service classes, an in-process NATS, a modelled network, nothing sleeping), --parallel at
 a time, at the paper's scale: 8 prefill + 8 decode against 16 colocated nodes, 2,000 requests, all five policies
-(--quick: 2P+2D, 200 requests).
+(--quick: 2P+2D, 200 requests), then the studies (--studies): the capacity against three more colocated baselines
+(plain, prefix caching alone, chunked prefill alone), the hit rate against the pool's size and a global pool against
+local caches, the P/D split of 16 nodes from 5P11D to 11P5D, rejection off / on current load / predicted at twice
+the trace's rate with the pools' load over time, and the pool and every transfer at kvquant-3's bytes.
 """
 
 
@@ -92,6 +96,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", metavar="A,B,...",
                         help=f"placement policies compared at one load (default: {','.join(POLICIES)}; quick: "
                              "random,conductor)")
+    parser.add_argument("--studies", metavar="A,B,...",
+                        help=f"virtual clock: the studies after the main sweep, of {','.join(STUDIES)}, or none "
+                             "(default: all; quick: none)")
     parser.add_argument("--log-dir", type=Path, metavar="DIR", help="every process's log (default: a temp folder)")
     real = parser.add_argument_group("the real model instead (SmolLM2 on this machine's CPU; scale the trace down)")
     real.add_argument("--engine", choices=("sim", "real"), default="sim", help="default: sim")
@@ -133,6 +140,14 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Experi
         if unknown:
             parser.error(f"unknown policies {', '.join(unknown)}; choose from {', '.join(ALL_POLICIES)}")
         preset["policies"] = policies
+    if args.studies:
+        if args.clock != "virtual":
+            parser.error("--studies needs --clock virtual (they replay the trace dozens of times)")
+        studies = () if args.studies == "none" else tuple(args.studies.split(","))
+        unknown = sorted(set(studies) - set(STUDIES))
+        if unknown:
+            parser.error(f"unknown studies {', '.join(unknown)}; choose from {', '.join(STUDIES)} or none")
+        preset["studies"] = studies
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-mooncake-"))

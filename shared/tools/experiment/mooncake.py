@@ -23,10 +23,10 @@ from loadgen.runner import RunOptions, run
 from loadgen.trace import TraceOptions, load_trace, read_trace
 from loadgen.workload import PlannedRequest
 from shared.config import POLICIES as SCHEDULER_POLICIES
+from shared.tools.experiment.plan import BASELINE, TSUKIMI, PlannedRun
+from shared.tools.experiment.studies import plan_studies
 from shared.tools.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
 from shared.tools.experiment.virtual import VirtualOutcome, VirtualRun, run_virtual_runs
-
-TSUKIMI, BASELINE = "tsukimi", "baseline"
 
 
 class ExperimentError(ValueError):
@@ -50,6 +50,7 @@ class ExperimentConfig:
         kv_cache_mb: each real engine's KV pool (the sim's comes from its profile's GPU memory).
         clock: "wall" (every run a fresh `tsukimi up` on loopback) or "virtual" (every run one `python -m
             services.virtual` process: the whole cluster on a virtual clock, `parallel` runs at once).
+        studies: on the virtual clock, the studies (studies.STUDIES) run after the main sweep.
     """
 
     trace: Path
@@ -73,6 +74,7 @@ class ExperimentConfig:
     seed: int = 0
     clock: str = "wall"  # "wall": real processes in real time; "virtual": services.virtual, nothing sleeps
     parallel: int = 1  # virtual runs at once (each is one process on one core)
+    studies: tuple[str, ...] = ()  # virtual clock: the studies beyond the main sweep (studies.STUDIES)
 
     def slos(self) -> list[Slo]:
         return [Slo(self.ttft_slo_ms, tbt) for tbt in self.tbt_slos_ms]
@@ -90,29 +92,27 @@ class RunOutcome:
     placements: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     wall_s: float = 0.0
+    study: str = ""  # see PlannedRun
+    variant: str = ""
+    load_over_time: dict[str, list[float]] = field(default_factory=dict)  # virtual clock: the pools' load
 
     def summary(self, slo: Slo) -> Summary:
         return summarize(self.records, slo)
 
     @property
     def label(self) -> str:
-        return f"{self.system} ({self.policy}) at {self.rate:.2f} req/s"
+        study = f" [{self.study}: {self.variant}]" if self.study else ""
+        return f"{self.system} ({self.policy}) at {self.rate:.2f} req/s{study}"
 
 
-@dataclass(frozen=True)
-class _Run:
-    system: str
-    policy: str
-    time_scale: float
-
-
-def plan_runs(config: ExperimentConfig) -> list[_Run]:
-    """The sweep for both systems, then each other policy at `policy_time_scale` (conductor's run is shared)."""
+def plan_runs(config: ExperimentConfig) -> list[PlannedRun]:
+    """The sweep for both systems, then each other policy at `policy_time_scale` (conductor's run is shared), then
+    on the virtual clock the runs of `config.studies` (studies.py)."""
     runs = []
     for scale in config.time_scales:
-        runs += [_Run(BASELINE, config.baseline_route, scale), _Run(TSUKIMI, "conductor", scale)]
-    runs += [_Run(TSUKIMI, p, config.policy_time_scale) for p in config.policies if p != "conductor"]
-    return runs
+        runs += [PlannedRun(BASELINE, config.baseline_route, scale), PlannedRun(TSUKIMI, "conductor", scale)]
+    runs += [PlannedRun(TSUKIMI, p, config.policy_time_scale) for p in config.policies if p != "conductor"]
+    return runs + (plan_studies(config) if config.clock == "virtual" else [])
 
 
 def offered_rate(requests: list[PlannedRequest]) -> float:
@@ -149,7 +149,7 @@ def run_experiment(config: ExperimentConfig, say: Callable[[str], None]) -> list
     return outcomes
 
 
-def _run_virtual(config: ExperimentConfig, runs: list[_Run], say: Callable[[str], None]) -> list[RunOutcome]:
+def _run_virtual(config: ExperimentConfig, runs: list[PlannedRun], say: Callable[[str], None]) -> list[RunOutcome]:
     """Every planned run as a `python -m services.virtual` process, `config.parallel` at a time."""
     entries = read_trace(config.trace, config.num_requests)
     span_s = (entries[-1].timestamp_ms - entries[0].timestamp_ms) / 1000.0 if entries else 0.0
@@ -158,27 +158,39 @@ def _run_virtual(config: ExperimentConfig, runs: list[_Run], say: Callable[[str]
                               "counts time in 3 s steps): replay more of them (--num-requests)")
     env = {"TSUKIMI_REJECTION": "off", "TSUKIMI_SLO_TTFT_MS": f"{config.ttft_slo_ms:g}",
            "TSUKIMI_SLO_TBT_MS": f"{max(config.tbt_slos_ms):g}"}
-    engines = config.num_prefill + config.num_decode
-    planned = [VirtualRun(
-        config.trace, config.num_requests, run.time_scale, config.profile, config.num_prefill, config.num_decode,
-        engines if run.system == BASELINE else config.num_cache_stores, engines if run.system == BASELINE else 0,
-        env | {"TSUKIMI_POLICY": run.policy}, config.log_dir / f"run-{i:02d}-{run.system}-{run.policy}",
-    ) for i, run in enumerate(runs, 1)]
-    outcomes = [RunOutcome(run.system, run.policy, run.time_scale, len(entries) / (span_s * run.time_scale))
-                for run in runs]
+    planned = [_virtual_run(config, run, env, config.log_dir / f"run-{i:02d}-{_run_name(run)}")
+               for i, run in enumerate(runs, 1)]
+    outcomes = [RunOutcome(run.system, run.policy, run.time_scale, len(entries) / (span_s * run.time_scale),
+                           study=run.study, variant=run.variant) for run in runs]
     say(f"{len(runs)} runs of {len(entries)} requests, {config.parallel} at a time")
 
     def done(index: int, got: VirtualOutcome) -> None:
         outcome = outcomes[index]
         outcome.records, outcome.placements, outcome.error, outcome.wall_s = (
             got.records, got.placements, got.error, got.wall_s)
+        outcome.load_over_time = got.load_over_time
         first = outcome.summary(config.slos()[0])
         say(f"[{index + 1}/{len(runs)}] {outcome.label}: " + (outcome.error or (
             f"{got.virtual_s:.0f} s simulated in {got.wall_s:.0f} s; {first.num_completed} completed, "
-            f"{first.num_failed} failed; TTFT mean {_ms(first.ttft.mean_ms)}, TBT p90 {_ms(first.tbt.p90_ms)}")))
+            f"{first.num_rejected} rejected, {first.num_failed} failed; TTFT mean {_ms(first.ttft.mean_ms)}, "
+            f"TBT p90 {_ms(first.tbt.p90_ms)}")))
 
     run_virtual_runs(planned, config.parallel, done)
     return outcomes
+
+
+def _virtual_run(config: ExperimentConfig, run: PlannedRun, env: dict[str, str], log_dir: Path) -> VirtualRun:
+    prefill, decode = run.pools or (config.num_prefill, config.num_decode)
+    colocated = run.system == BASELINE
+    return VirtualRun(
+        config.trace, config.num_requests, run.time_scale, config.profile, prefill, decode,
+        prefill + decode if colocated else config.num_cache_stores, prefill + decode if colocated else 0,
+        env | {"TSUKIMI_POLICY": run.policy} | dict(run.env), log_dir, run.max_output_tokens,
+    )
+
+
+def _run_name(run: PlannedRun) -> str:
+    return f"{run.system}-{run.policy}" + (f"-{run.study}-{run.variant}" if run.study else "")
 
 
 def _spec(config: ExperimentConfig, outcome: RunOutcome) -> SystemSpec:

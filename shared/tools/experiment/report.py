@@ -7,8 +7,9 @@ from pathlib import Path
 
 from loadgen.metrics import Slo, Summary
 from shared.tools.experiment.capacity import THRESHOLD
-from shared.tools.experiment.mooncake import BASELINE, TSUKIMI, RunOutcome
-from shared.tools.experiment.results import PAPER_AVG_TTFT_S, PAPER_CAPACITY_RATIO, Results
+from shared.tools.experiment.mooncake import RunOutcome
+from shared.tools.experiment.plan import BASELINE, TSUKIMI
+from shared.tools.experiment.results import PAPER_AVG_TTFT_S, PAPER_CAPACITY_RATIO, PAPER_STUDIES, Results
 
 
 def write_report(results: Results, folder: Path, command: str, took_s: float) -> Path:
@@ -16,7 +17,7 @@ def write_report(results: Results, folder: Path, command: str, took_s: float) ->
     folder.mkdir(parents=True, exist_ok=True)
     figures = _figures(results, folder)
     lines = _intro(results, command, took_s) + _capacity_section(results, figures) + _policy_section(results, figures)
-    lines += _runs_section(results) + _notes(results)
+    lines += _studies_section(results, figures) + _runs_section(results) + _notes(results)
     path = folder / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -98,11 +99,70 @@ def _policy_section(results: Results, figures: dict[str, str]) -> list[str]:
              f"tsukimi at time scale {results.config.policy_time_scale:g}, one fresh system per policy.", "",
              "| policy | average TTFT (s) | cache hit rate | paper (s) |", "|---|---|---|---|"]
     for run in results.runs:
-        if run.system == TSUKIMI and run.time_scale == results.config.policy_time_scale:
+        if run.system == TSUKIMI and run.time_scale == results.config.policy_time_scale and not run.study:
             ttft, hit = results.avg_ttft_s.get(run.policy), results.cache_hit_rates.get(run.label)
             lines.append(f"| {run.policy} | {_num(ttft, '{:.2f}')} | {_num(hit, '{:.1%}')} | "
                          f"{_num(PAPER_AVG_TTFT_S.get(run.policy), '{:.2f}')} |")
     return lines + ["", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("ttft")], ""]
+
+
+def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
+    """The studies beyond the main sweep (studies.py), each beside the paper's figure where it has one."""
+    st, lines = results.studies, []
+    if "effective_capacity_ratio_by_baseline" in st:
+        keys = [f"{t:g}" for t in results.config.tbt_slos_ms]
+        lines += ["## Capacity against each colocated baseline", "",
+                  "tsukimi's capacity (main sweep) over each baseline's, by TBT SLO; `>=`/`<=`: a bound (a sweep never "
+                  "reached 90% or never fell below it).", "",
+                  "| baseline | " + " | ".join(f"TBT {k} ms" for k in keys) + " |", "|---|" + "---|" * len(keys)]
+        for name, got in st["effective_capacity_ratio_by_baseline"].items():
+            cells = [f"{_bound(got['bound'].get(k, '='))}{_num(got['ratio'].get(k), '{:.2f}x')}" for k in keys]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "hit_rate_by_capacity" in st:
+        lines += ["## Cache hit rate against pool capacity", "",
+                  "tsukimi at the policy comparison's load; the pool's capacity in tokens of bf16 KV over every shard.",
+                  "", "| pool (tokens) | hit rate |", "|---|---|"]
+        lines += [f"| {int(k):,} | {_num(v, '{:.1%}')} |" for k, v in st["hit_rate_by_capacity"].items()]
+        g, loc = st.get("hit_rate_global"), st.get("hit_rate_local")
+        ratio = f"{g / loc:.2f}x" if g and loc else "n/a"
+        lines += ["", "Global pool against local caches (10 prefill + 6 decode nodes, outputs of one token): global "
+                  f"{_num(g, '{:.1%}')}, local {_num(loc, '{:.1%}')}: **{ratio}** (paper: 2.22x). Local here is each "
+                  "prefill node's prefix cache in GPU memory (1.3M tokens on the 70B profile), the paper's 3M tokens "
+                  "of DRAM.", "", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("hit rate")], ""]
+    if "pd_sweep" in st:
+        lines += ["## P/D split of 16 nodes", "", "| split | average TTFT (s) | TBT p90 (ms) | completed | meeting "
+                  f"TBT {max(results.config.tbt_slos_ms):g} ms |", "|---|---|---|---|---|"]
+        strictest = f"{max(results.config.tbt_slos_ms):g}"
+        for name, got in st["pd_sweep"].items():
+            lines.append(f"| {name} | {_num(got['avg_ttft_s'], '{:.2f}')} | {_num(got['tbt_p90_ms'], '{:.0f}')} | "
+                         f"{got['completed']} | {got['meeting_slos'][strictest]} |")
+        lines += ["", "Paper (Fig. 15): the best split near 1:1.", ""]
+    if "rejections" in st:
+        lines += ["## Early rejection at twice the trace's rate", "",
+                  "| rejection | rejected | completed | meeting the SLOs | paper's rejected (arXiv Table 3) |",
+                  "|---|---|---|---|---|"]
+        strictest = f"{max(results.config.tbt_slos_ms):g}"
+        for mode, got in st["rejections"].items():
+            lines.append(f"| {mode} | {got['rejected']} | {got['completed']} | {got['meeting_slos'][strictest]} | "
+                         f"{PAPER_STUDIES['rejections'].get(mode, 'n/a')} |")
+        lines += ["", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("load")], ""]
+    if "kv_codec" in st:
+        kv = st["kv_codec"]
+        lines += [f"## The pool and every transfer at {kv['codec']}'s bytes", "",
+                  f"{kv['codec']} blocks are {kv['bytes_ratio']:.2f}x smaller than bf16 (from the codec's section "
+                  f"sizes); a pool of {kv['pool_tokens_bf16']:,} bf16 tokens holds that many times more.", "",
+                  "| | hit rate | " + " | ".join(f"capacity at TBT {k} ms" for k in kv["capacity_ratio"]) + " |",
+                  "|---|---|" + "---|" * len(kv["capacity_ratio"])]
+        for codec, caps in kv["capacity_req_s"].items():
+            bounds = kv["capacity_bound"][codec]
+            lines.append(f"| {codec} | {_num(kv['hit_rate'].get(codec), '{:.1%}')} | " + " | ".join(
+                f"{_bound(bounds[k])}{caps[k]:.3f} req/s" for k in kv["capacity_ratio"]) + " |")
+        lines += ["| ratio | | " + " | ".join(f"{_bound(kv['capacity_ratio_bound'][k])}{v:.2f}x"
+                                            for k, v in kv["capacity_ratio"].items()) + " |",
+                  "", "`>=`, `<`: the sweep never left, or never reached, 90% meeting the SLOs; `?`: both "
+                  "systems censored alike, no ratio.", ""]
+    return lines
 
 
 def _runs_section(results: Results) -> list[str]:
@@ -128,6 +188,16 @@ def _notes(results: Results) -> list[str]:
                 "interfere through the CPU even when they run in different processes.",
                 "- The trace is scaled down (shorter prompts and answers) and its first requests share few prefixes.",
                 ""]
+    if results.config.clock == "virtual":
+        return ["## How this differs from the paper", "",
+                f"- Scale: the paper replayed the whole conversation trace (12,031 requests over about an hour, 37% of "
+                f"prompt blocks reusable with an unlimited cache); these runs replay its first "
+                f"{results.config.num_requests}, where fewer prefixes repeat, so caching has less to win.",
+                "- Step times come from a roofline with assumed efficiencies (shared/sim/profiles.py), not measured "
+                "kernels; transfers take their bytes' time on modelled 4 x 200 Gbps interfaces; the services' own CPU "
+                "time is not simulated (docs/experiments/virtual-clock.md).",
+                "- The colocated baselines are this engine (continuous batching, its own prefix cache in GPU memory, "
+                "no pool) configured as vLLM is, not vLLM itself.", ""]
     return ["## How this differs from the paper", "",
             "- Scale: the paper replayed the whole conversation trace (about an hour, 37% of prompt blocks reusable "
             "with an unlimited cache) on 16 nodes; this replays its first requests on a handful of simulated nodes, "
@@ -152,12 +222,18 @@ def _figures(results: Results, folder: Path) -> dict[str, str]:
         plot_slo_attainment(series, folder / file, title=title, threshold=THRESHOLD)
         figures[f"capacity at TBT {slo.tbt_ms:g} ms"] = file
     figures["ttft by policy"] = _plot_ttft_by_policy(results, folder / "ttft_by_policy.png")
+    if results.studies.get("load_over_time"):
+        figures["load over time"] = _plot_load_over_time(results.studies["load_over_time"],
+                                                         folder / "load_over_time.png")
+    if results.studies.get("hit_rate_by_capacity"):
+        figures["hit rate by pool capacity"] = _plot_hit_rate(results.studies["hit_rate_by_capacity"],
+                                                              folder / "hit_rate_by_capacity.png")
     return figures
 
 
 def _series(runs: Sequence[RunOutcome], system: str, route: str, slo: Slo) -> list[tuple[float, Summary]]:
     policy = "conductor" if system == TSUKIMI else route
-    chosen = [r for r in runs if r.system == system and r.policy == policy and r.error is None]
+    chosen = [r for r in runs if r.system == system and r.policy == policy and r.error is None and not r.study]
     return sorted(((r.rate, r.summary(slo)) for r in chosen), key=lambda p: p[0])
 
 
@@ -176,6 +252,39 @@ def _plot_ttft_by_policy(results: Results, path: Path) -> str:
     ax.legend()
     fig.savefig(path, dpi=120)
     return path.name
+
+
+def _plot_load_over_time(series_by_mode: dict[str, dict[str, list[float]]], path: Path) -> str:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for mode, series in series_by_mode.items():
+        if series.get("t_s"):
+            top.plot(series["t_s"], series["prefill_queued_tokens"], label=f"rejection {mode}", lw=1)
+            bottom.plot(series["t_s"], series["decode_kv_share"], label=f"rejection {mode}", lw=1)
+    top.set(ylabel="prefill queue (tokens/node)", title="Load over time, as the scheduler sees it (simulated)")
+    bottom.set(ylabel="decode KV in use (share)", xlabel="time (s)")
+    top.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
+def _plot_hit_rate(by_capacity: dict[str, float | None], path: Path) -> str:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.subplots()
+    points = sorted((int(k), v) for k, v in by_capacity.items() if v is not None)
+    ax.plot([p for p, _ in points], [100 * v for _, v in points], marker="o")
+    ax.set(xscale="log", xlabel="pool capacity (tokens)", ylabel="cache hit rate (%)",
+           title="Hit rate against pool capacity (simulated)")
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
+def _bound(bound: str) -> str:
+    return "" if bound == "=" else f"{bound} "
 
 
 def _s(ms: float | None) -> float | None:

@@ -9,13 +9,21 @@ from typing import Any
 
 from loadgen.metrics import Summary, ttft_s
 from shared.tools.experiment.capacity import Capacity, Ratio, capacity, capacity_ratio
-from shared.tools.experiment.mooncake import BASELINE, TSUKIMI, ExperimentConfig, RunOutcome
+from shared.tools.experiment.mooncake import ExperimentConfig, RunOutcome
+from shared.tools.experiment.plan import BASELINE, TSUKIMI
+from shared.tools.experiment.studies import study_figures
 
 # Mooncake (FAST'25), conversation trace, 16 nodes of 8xA800, LLaMA-3-70B-sized dummy model: effective request capacity
 # over the best vLLM configuration at TTFT 30 s and TBT 100/200/300 ms (+498%, +157%, +59%), and the average TTFT of
 # each placement policy.
 PAPER_CAPACITY_RATIO = {"100": 5.98, "200": 2.57, "300": 1.59}
 PAPER_AVG_TTFT_S = {"conductor": 3.07, "local_cache_aware": 3.58, "least_loaded": 5.27, "random": 19.65}
+# The studies' (issue 20): FAST'25's global pool at 2.22x the local caches' hit rate (Fig. 10), its best P/D split
+# near 1:1 (Fig. 15); arXiv v1's Table 3, rejected requests of 8P+8D at 2x replay speed by rejection mode.
+PAPER_STUDIES: dict[str, Any] = {
+    "hit_rate_global_over_local": 2.22,
+    "rejections": {"off": 4183, "current": 3771, "predicted": 3589},
+}
 
 
 @dataclass
@@ -29,6 +37,7 @@ class Results:
     ratios: dict[str, Ratio] = field(default_factory=dict)  # slo -> tsukimi / baseline
     avg_ttft_s: dict[str, float | None] = field(default_factory=dict)  # policy -> seconds
     cache_hit_rates: dict[str, float | None] = field(default_factory=dict)  # run label -> share
+    studies: dict[str, Any] = field(default_factory=dict)  # the studies' JSON keys (studies.study_figures)
 
 
 def compute(config: ExperimentConfig, runs: list[RunOutcome]) -> Results:
@@ -44,14 +53,15 @@ def compute(config: ExperimentConfig, runs: list[RunOutcome]) -> Results:
         if key in results.capacities.get(TSUKIMI, {}) and key in results.capacities.get(BASELINE, {}):
             results.ratios[key] = capacity_ratio(results.capacities[TSUKIMI][key], results.capacities[BASELINE][key])
     for run in runs:
-        if run.system == TSUKIMI and run.time_scale == config.policy_time_scale:
+        if run.system == TSUKIMI and run.time_scale == config.policy_time_scale and not run.study:
             results.avg_ttft_s[run.policy] = _mean_ttft_s(run)
         results.cache_hit_rates[run.label] = run.summary(config.slos()[0]).cache_hit_rate
+    results.studies = study_figures(config, runs)
     return results
 
 
 def _is_sweep_run(run: RunOutcome, config: ExperimentConfig) -> bool:
-    return run.policy == ("conductor" if run.system == TSUKIMI else config.baseline_route)
+    return not run.study and run.policy == ("conductor" if run.system == TSUKIMI else config.baseline_route)
 
 
 def _mean_ttft_s(run: RunOutcome) -> float | None:
@@ -79,7 +89,9 @@ def to_json(results: Results, wall_s: float | None = None) -> dict[str, Any]:
         "share_meeting_slos": {s: {k: [list(p) for p in pts] for k, pts in by_slo.items()}
                                for s, by_slo in results.shares.items()},
         "cache_hit_rate": results.cache_hit_rates,
-        "paper": {"effective_capacity_ratio": PAPER_CAPACITY_RATIO, "avg_ttft_s_by_policy": PAPER_AVG_TTFT_S},
+        **results.studies,
+        "paper": {"effective_capacity_ratio": PAPER_CAPACITY_RATIO, "avg_ttft_s_by_policy": PAPER_AVG_TTFT_S,
+                  **PAPER_STUDIES},
         "config": {k: (str(v) if k in ("trace", "log_dir") else v) for k, v in vars(config).items()},
         "runs": [_run_json(run, results) for run in results.runs],
     }
@@ -88,5 +100,6 @@ def to_json(results: Results, wall_s: float | None = None) -> dict[str, Any]:
 def _run_json(run: RunOutcome, results: Results) -> dict[str, Any]:
     summaries: dict[str, Summary] = {f"{slo.tbt_ms:g}": run.summary(slo) for slo in results.config.slos()}
     return {"system": run.system, "policy": run.policy, "time_scale": run.time_scale, "rate": run.rate,
+            "study": run.study, "variant": run.variant,
             "error": run.error, "wall_s": run.wall_s, "placements": run.placements,
             "summary_by_tbt_slo_ms": {k: s.to_dict() for k, s in summaries.items()}}

@@ -25,7 +25,8 @@ VIRTUAL_LOG = "virtual.log"
 @dataclass(frozen=True)
 class VirtualRun:
     """One run: the trace's first `num_requests` (None: all) at `time_scale`; `colocated` instances, or `prefill` +
-    `decode` with `cache_stores` shards; `env` for every instance; outputs in `log_dir`."""
+    `decode` with `cache_stores` shards; `env` for every instance; outputs in `log_dir`; every output at most
+    `max_output_tokens` (None: the trace's)."""
 
     trace: Path
     num_requests: int | None
@@ -37,6 +38,7 @@ class VirtualRun:
     colocated: int
     env: dict[str, str]
     log_dir: Path
+    max_output_tokens: int | None = None
 
     @property
     def json_path(self) -> Path:
@@ -48,6 +50,8 @@ class VirtualRun:
                str(self.log_dir / VIRTUAL_LOG), "--quiet"]
         if self.num_requests:
             cmd += ["--num-requests", str(self.num_requests)]
+        if self.max_output_tokens:
+            cmd += ["--max-output-tokens", str(self.max_output_tokens)]
         if self.colocated:
             cmd += ["--colocated", str(self.colocated), "--cache-stores", str(self.cache_stores)]
         else:
@@ -65,6 +69,7 @@ class VirtualOutcome:
     error: str | None = None
     wall_s: float = 0.0
     virtual_s: float = 0.0
+    load_over_time: dict[str, list[float]] = field(default_factory=dict)
 
 
 def run_virtual_runs(runs: list[VirtualRun], parallel: int,
@@ -83,6 +88,7 @@ def run_virtual_runs(runs: list[VirtualRun], parallel: int,
             result = json.loads(run.json_path.read_text())
             outcome.records = [RequestRecord(**r) for r in result["records"]]
             outcome.virtual_s = float(result["virtual_s"])
+            outcome.load_over_time = result.get("load_over_time", {})
         else:
             outcome.error = f"python -m services.virtual exited {code}: see {run.log_dir / 'virtual-stderr.log'}"
         outcome.placements = placement_counts(run.log_dir, pattern=VIRTUAL_LOG)
