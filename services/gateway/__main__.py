@@ -12,7 +12,7 @@ from services.gateway.prompt import ModelInfo
 from services.gateway.service import GatewayService
 from shared.config import ConfigError, GatewaySettings
 from shared.model.manifest import read_manifest
-from shared.sim.manifest import sim_manifest, sim_model_name
+from shared.sim.manifest import sim_kv_format, sim_manifest, sim_model_name
 from shared.sim.profiles import get_profile
 from shared.wire.api_keys import ApiKeysError, load_api_keys
 from shared.wire.bus import Bus
@@ -32,7 +32,9 @@ def model_info(settings: GatewaySettings) -> ModelInfo:
         context_len=manifest.config.max_position,
         # sim: prompts are never embedded, but streamed tokens are detokenized by the stand-in tokenizer
         vocab_size=manifest.tokenizer.vocab_size if settings.engine_kind == "sim" else manifest.config.vocab_size,
-        kv_format=settings.engine.kv_format, is_simulated=settings.engine_kind == "sim",
+        kv_format=(sim_kv_format(settings.engine.kv_format, settings.sim_kv_codec) if settings.engine_kind == "sim"
+                   else settings.engine.kv_format),
+        is_simulated=settings.engine_kind == "sim",
     )
 
 

@@ -19,7 +19,7 @@ from shared.engine.kv.sized import SizedKvStore
 from shared.engine.kv.store import LayerCallback
 from shared.model.checkpoint import Checkpoint
 from shared.sim.cost import StepWork, step_time
-from shared.sim.manifest import sim_manifest
+from shared.sim.manifest import sim_kv_format, sim_manifest
 from shared.sim.profiles import SimProfile, get_profile
 
 SIM_WORD = " sim"  # what every simulated token decodes to
@@ -134,7 +134,6 @@ def build_sim_engine(
     profile = get_profile(profile_name)
     checkpoint = sim_checkpoint(profile, tokenizer_path)
     token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
-    kv_format = config.kv_format if sized_codec == "none" else f"{config.kv_format}+{sized_codec}"
-    namespace = make_namespace(checkpoint.fingerprint, kv_format)
+    namespace = make_namespace(checkpoint.fingerprint, sim_kv_format(config.kv_format, sized_codec))
     runner = SimRunner(profile, config, token_id, namespace, on_block_event, sized_codec)
     return LLMEngine(checkpoint, config, runner=runner)

@@ -28,3 +28,9 @@ def sim_manifest(profile: SimProfile, tokenizer_path: str | None = None) -> Mode
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
     fingerprint = hashlib.blake2b(f"sim:{profile.name}".encode(), digest_size=8).hexdigest()
     return ModelManifest(profile.model, tokenizer, fingerprint, path)
+
+
+def sim_kv_format(kv_format: str, sized_codec: str) -> str:
+    """The KV format in the sim's block-hash namespace: a sized codec's blocks are other blocks, and the gateway,
+    whose hashes the scheduler and the pool key blocks by, must name the same as the engine."""
+    return kv_format if sized_codec == "none" else f"{kv_format}+{sized_codec}"

@@ -317,6 +317,20 @@ def test_the_sized_codec_is_a_setting_of_the_sim() -> None:
         load_settings("prefill", env | {"TSUKIMI_SIM_KV_CODEC": "zip"})
 
 
+@pytest.mark.parametrize("codec", ["none", "kvquant-3"])
+def test_the_gateway_hashes_blocks_as_the_sim_engine_does_whatever_its_sized_codec(codec: str) -> None:
+    """The scheduler's index and the pool key blocks by the gateway's hashes and hear of them by the engine's: one
+    namespace, or the Conductor is blind to every cached block."""
+    from services.gateway.__main__ import model_info
+    from services.gateway.prompt import PromptBuilder
+
+    env = {"TSUKIMI_ENGINE": "sim", **SIM_ENV_DEFAULTS, "TSUKIMI_SIM_KV_CODEC": codec}
+    gateway = PromptBuilder(model_info(load_settings("gateway", env)), BLOCK)
+    engine_settings = load_settings("prefill", env)
+    engine = build_sim_engine(PROFILE.name, engine_settings.engine, sized_codec=engine_settings.sim_kv_codec)
+    assert gateway.namespace == engine.block_manager.namespace
+
+
 def test_a_baseline_can_turn_the_local_prefix_cache_off(clock: FakeTime) -> None:
     env = {"TSUKIMI_ENGINE": "sim", **SIM_ENV_DEFAULTS}
     assert load_settings("decode", env).engine.enable_prefix_caching
