@@ -5,7 +5,7 @@ mooncake.py's; these add:
 - baselines (FAST'25 Fig. 1/7): the capacity sweep against three more colocated baselines, vLLM's configurations
   (plain; prefix caching without chunking; chunked prefill without prefix caching); the main baseline has both.
 - pool (Figs. 9-10 of FAST'25's cache study): the hit rate against the cache-store pool's size, and a global pool
-  against local caches (10 prefill nodes, outputs of one token).
+  against local caches (10 prefill nodes, outputs of two tokens).
 - pd_split (Fig. 15): 16 nodes split from 5P11D to 11P5D at the policy comparison's load.
 - rejection (arXiv Table 3, Figs. 9-10): rejection off, on current load, predicted, at twice the trace's rate; the
   pools' load over time.
@@ -30,9 +30,12 @@ if TYPE_CHECKING:
 STUDIES = ("baselines", "pool", "pd_split", "rejection", "kv_codec")
 MAIN_BASELINE = "chunked_prefill+prefix_caching"  # the main sweep's colocated instances (the sim's defaults)
 POOL_TOKENS = (1_000_000, 3_000_000, 10_000_000, 30_000_000)  # the whole pool's capacity, in tokens of bf16 KV
-# FAST'25's cache study: 10 prefill nodes, each with a local cache of 3M tokens, against one pool of their sum.
+# FAST'25's cache study: 10 prefill nodes, each with a local cache of 3M tokens, against one pool of their sum, outputs
+# truncated to one token. Here two: a request that ends at its first token is answered by prefill, which puts a
+# prompt's blocks into the pool only beside a hand-off to decode (one token would leave the pool empty).
 GLOBAL_LOCAL_POOLS = (10, 6)
 GLOBAL_POOL_TOKENS = 30_000_000
+GLOBAL_LOCAL_OUTPUT_TOKENS = 2
 PD_SPLITS = tuple((p, 16 - p) for p in range(5, 12))
 REJECTION_MODES = ("off", "current", "predicted")
 REJECTION_TIME_SCALE = 0.5  # twice the trace's rate, as Table 3
@@ -72,7 +75,7 @@ def _pool(config: ExperimentConfig) -> Iterable[PlannedRun]:
     global_mb = pool_mb_per_shard(config, GLOBAL_POOL_TOKENS, config.num_cache_stores)
     for name, mb in (("global", global_mb), ("local", 1)):
         yield PlannedRun(TSUKIMI, "conductor", scale, "pool", name, (("TSUKIMI_CACHE_DRAM_MB", str(mb)),),
-                         GLOBAL_LOCAL_POOLS, max_output_tokens=1)
+                         GLOBAL_LOCAL_POOLS, max_output_tokens=GLOBAL_LOCAL_OUTPUT_TOKENS)
 
 
 def _pd_split(config: ExperimentConfig) -> Iterable[PlannedRun]:
