@@ -96,8 +96,15 @@ class RunOutcome:
     variant: str = ""
     load_over_time: dict[str, list[float]] = field(default_factory=dict)  # virtual clock: the pools' load
 
+    _summaries: dict[tuple[Slo, int, int], Summary] = field(default_factory=dict, init=False, repr=False, compare=False)
+
     def summary(self, slo: Slo) -> Summary:
-        return summarize(self.records, slo)
+        """`summarize(records, slo)`, once per SLO: the report, the JSON and the studies all ask (each run's TBTs are
+        a sort per request); recomputed if `records` is replaced or grows."""
+        key = (slo, id(self.records), len(self.records))
+        if key not in self._summaries:
+            self._summaries[key] = summarize(self.records, slo)
+        return self._summaries[key]
 
     @property
     def label(self) -> str:

@@ -109,6 +109,7 @@ def _policy_section(results: Results, figures: dict[str, str]) -> list[str]:
 def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
     """The studies beyond the main sweep (studies.py), each beside the paper's figure where it has one."""
     st, lines = results.studies, []
+    loosest = f"{max(results.config.tbt_slos_ms):g}"  # the tables count requests meeting the loosest TBT SLO
     if "effective_capacity_ratio_by_baseline" in st:
         keys = [f"{t:g}" for t in results.config.tbt_slos_ms]
         lines += ["## Capacity against each colocated baseline", "",
@@ -132,19 +133,17 @@ def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
                   "of DRAM.", "", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("hit rate")], ""]
     if "pd_sweep" in st:
         lines += ["## P/D split of 16 nodes", "", "| split | average TTFT (s) | TBT p90 (ms) | completed | meeting "
-                  f"TBT {max(results.config.tbt_slos_ms):g} ms |", "|---|---|---|---|---|"]
-        strictest = f"{max(results.config.tbt_slos_ms):g}"
+                  f"TBT {loosest} ms |", "|---|---|---|---|---|"]
         for name, got in st["pd_sweep"].items():
             lines.append(f"| {name} | {_num(got['avg_ttft_s'], '{:.2f}')} | {_num(got['tbt_p90_ms'], '{:.0f}')} | "
-                         f"{got['completed']} | {got['meeting_slos'][strictest]} |")
+                         f"{got['completed']} | {got['meeting_slos'][loosest]} |")
         lines += ["", "Paper (Fig. 15): the best split near 1:1.", ""]
     if "rejections" in st:
         lines += ["## Early rejection at twice the trace's rate", "",
                   "| rejection | rejected | completed | meeting the SLOs | paper's rejected (arXiv Table 3) |",
                   "|---|---|---|---|---|"]
-        strictest = f"{max(results.config.tbt_slos_ms):g}"
         for mode, got in st["rejections"].items():
-            lines.append(f"| {mode} | {got['rejected']} | {got['completed']} | {got['meeting_slos'][strictest]} | "
+            lines.append(f"| {mode} | {got['rejected']} | {got['completed']} | {got['meeting_slos'][loosest]} | "
                          f"{PAPER_STUDIES['rejections'].get(mode, 'n/a')} |")
         lines += ["", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("load")], ""]
     if "kv_codec" in st:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from loadgen.metrics import summarize, ttft_s
+from loadgen.metrics import ttft_s
 from shared.kvcompress.registry import codec_block_bytes
 from shared.sim.profiles import get_profile
 from shared.tools.experiment.capacity import capacity, capacity_ratio
@@ -100,8 +100,8 @@ def _kv_codec(config: ExperimentConfig) -> Iterable[PlannedRun]:
 def kv_codec_bytes_ratio(profile_name: str, block_size: int = 512) -> float:
     """bf16 bytes of one layer's block over `KV_CODEC`'s (from the codec's own section sizes)."""
     model = get_profile(profile_name).model
-    bf16 = 2 * model.num_kv_heads * block_size * model.head_dim * 2
-    return bf16 / codec_block_bytes(KV_CODEC, model.num_kv_heads, block_size, model.head_dim)
+    shape = (model.num_kv_heads, block_size, model.head_dim)  # fp16's bytes are bf16's: two a value
+    return codec_block_bytes("fp16", *shape) / codec_block_bytes(KV_CODEC, *shape)
 
 
 # ---- figures --------------------------------------------------------------------------------------------------
@@ -161,14 +161,13 @@ def _hit_rate(run: RunOutcome, config: ExperimentConfig) -> float | None:
 
 
 def _run_figures(run: RunOutcome, config: ExperimentConfig) -> dict[str, Any]:
+    meeting = {f"{slo.tbt_ms:g}": run.summary(slo).num_meeting_slo for slo in config.slos()}
     first = run.summary(config.slos()[0])
     ttfts = [t for r in run.records if r.error is None and (t := ttft_s(r)) is not None]
     return {"completed": first.num_completed, "rejected": first.num_rejected, "failed": first.num_failed,
             "avg_ttft_s": round(sum(ttfts) / len(ttfts), 3) if ttfts else None,
-            "tbt_p90_ms": first.tbt.p90_ms, "cache_hit_rate": first.cache_hit_rate,
-            "meeting_slos": {f"{s.tbt_ms:g}": summarize(run.records, s).num_meeting_slo for s in config.slos()},
-            "goodput_req_s": {f"{s.tbt_ms:g}": round(summarize(run.records, s).num_meeting_slo / _span_s(run), 4)
-                              for s in config.slos()}}
+            "tbt_p90_ms": first.tbt.p90_ms, "cache_hit_rate": first.cache_hit_rate, "meeting_slos": meeting,
+            "goodput_req_s": {k: round(n / _span_s(run), 4) for k, n in meeting.items()}}
 
 
 def _span_s(run: RunOutcome) -> float:
