@@ -4,6 +4,7 @@ turn each line into a planned request whose prompt is its hash ids' seeded token
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterator
@@ -15,7 +16,9 @@ from loadgen.prompts import DEFAULT_MIN_TOKEN_ID, DEFAULT_VOCAB_SIZE, BlockToken
 from loadgen.workload import PlannedRequest
 
 TRACE_BLOCK_LEN = 512  # tokens per hash id in the Mooncake traces
-BUNDLED_TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace_head.jsonl"  # data/README.md
+DATA = Path(__file__).resolve().parent / "data"  # data/README.md: what each file is, its origin and licence
+BUNDLED_TRACE = DATA / "conversation_trace_head.jsonl"  # the first 1,000 requests
+CONVERSATION_TRACE = DATA / "conversation_trace.jsonl.gz"  # all 12,031
 
 
 class TraceError(ValueError):
@@ -144,12 +147,13 @@ def load_trace(path: str | Path, options: TraceOptions | None = None) -> list[Pl
 
 
 def _iter_entries(path: Path) -> Iterator[TraceEntry]:
+    """The lines of a JSONL trace, gzip-compressed when its name ends in .gz."""
     try:
-        with path.open(encoding="utf-8") as f:
+        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
             for line_no, line in enumerate(f, start=1):
                 if line.strip():
                     yield parse_trace_line(line, f"{path}:{line_no}")
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip's BadGzipFile is an OSError
         raise TraceError(f"cannot read trace {path}: {exc}") from None
 
 

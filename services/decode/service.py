@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_decode_steps
+from services.decode.token_gaps import TokenGaps
 from shared.config import EngineSettings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
 from shared.engine.kv.store import PromptKv
@@ -80,6 +81,8 @@ class DecodeService:
         self._assembling: set[str] = set()  # hand-off ended, its KV being assembled off the event loop
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
+        self.gaps = TokenGaps()  # of the running requests' tokens (event loop's)
+        self._tokens_ready_at = 0.0  # when the last step's tokens were made (engine thread's, read after it)
         self._aborts: set[str] = set()
         self._prompts: deque[tuple[PrefillTask, SamplingParams]] = deque()  # to prefill here
         self._samples: list[list[float]] = []  # decode step timings since the last heartbeat
@@ -159,6 +162,7 @@ class DecodeService:
         first = StreamEvent(request_id, 0, [msg.first_token], msg.first_text, None, len(stream.start.prompt_ids),
                             msg.num_cached_tokens)
         await self.bus.publish(self.bus.subjects.stream(request_id), first)
+        self.gaps.made(request_id)  # token 0 counts from here: its gap to token 1 holds the KV assembly and the join
         self._assembling.add(request_id)
         self.tasks.spawn(self._admit_handoff(stream), f"assemble-{request_id}")
 
@@ -229,6 +233,7 @@ class DecodeService:
         held = request_id in self.receiver or request_id in self._assembling or self.receiver.is_expected(request_id)
         self.receiver.close(request_id)
         self._assembling.discard(request_id)
+        self.gaps.forget(request_id)
         with self._lock:
             ready = [r for r in self._ready if r.request_id == request_id]
             prompts = [p for p in self._prompts if p[0].request_id == request_id]
@@ -279,6 +284,7 @@ class DecodeService:
         batch, context = len(running), sum(s.num_tokens for s in running)
         started = time.perf_counter()
         outputs = self.engine.step()
+        self._tokens_ready_at = self.engine.runner.tokens_ready_at
         if is_pure_decode and batch:
             with self._lock:
                 self._samples.append([float(batch), float(context), time.perf_counter() - started])
@@ -339,11 +345,15 @@ class DecodeService:
                 out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens, kv_bytes_saved=out.kv_bytes_saved,
             )
             await self.bus.publish(self.bus.subjects.stream(out.request_id), event)
+            if out.new_token_ids:
+                self.gaps.made(out.request_id, self._tokens_ready_at)
             if out.finished:
+                tbt_s = self.gaps.finish(out.request_id)
                 log.info("decoded", request_id=out.request_id, reason=out.finish_reason,
-                         output_tokens=out.num_output_tokens)
+                         output_tokens=out.num_output_tokens, tbt_ms=None if tbt_s is None else round(tbt_s * 1e3, 3))
 
     async def _fail(self, request_id: str, error: str, error_type: ErrorType = ErrorType.KV_TRANSFER) -> None:
         log.warning("request failed", request_id=request_id, error_type=error_type, error=error)
+        self.gaps.forget(request_id)
         event = StreamEvent.failure(request_id, error_type, error)
         await self.bus.publish(self.bus.subjects.stream(request_id), event)

@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     pools.add_argument("--prefill", type=int, default=1, metavar="P", help="prefill instances (default 1)")
     pools.add_argument("--decode", type=int, default=1, metavar="D", help="decode instances (default 1)")
     pools.add_argument("--colocated", type=int, default=0, metavar="N",
-                       help="instead: N colocated instances that prefill their own requests (the baseline)")
+                       help="instead: N colocated instances that prefill their own requests (the baseline; routed "
+                            "least_loaded unless --env TSUKIMI_POLICY=... says otherwise)")
     pools.add_argument("--cache-stores", type=int, metavar="K",
                        help="cache-store shards, one on each of the first K nodes (default: one per prefill node; "
                             "colocated: one per node)")
@@ -69,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
                      help="sample the pools' load (the scheduler's view) every S virtual seconds (default 10)")
     out.add_argument("--seed", type=int, default=0, help="seeds the trace blocks' tokens (default 0)")
     out.add_argument("--quiet", action="store_true", help="no progress line")
+    out.add_argument("--progress-file", type=Path, metavar="F",
+                     help="keep the progress figures in F as JSON, rewritten every second (for a caller's own bar)")
     return p
 
 
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not entries:
         p.error(f"no requests in {args.trace} from {args.start_s} s on")
+    if args.colocated:  # as `tsukimi up --colocated`: the conductor needs a prefill pool
+        env.setdefault("TSUKIMI_POLICY", "least_loaded")
     engines = args.colocated or args.prefill + args.decode
     spec = ClusterSpec(
         prefill=0 if args.colocated else args.prefill, decode=args.colocated or args.decode,

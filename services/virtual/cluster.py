@@ -117,19 +117,27 @@ class VirtualCluster:
 
     async def start(self) -> None:
         """Build and start every instance: cache-stores first, then engines, the scheduler last (as each would find
-        the others once they beat)."""
+        the others once they beat). When one fails to build or start, those started are stopped.
+
+        Raises:
+            ConfigError: a setting a role refuses.
+        """
         topology = self.spec.topology()
         engines = [s.name for s in topology.process_specs() if s.name.startswith(("prefill", "decode"))]
         order = ("cache-store", "prefill", "decode", "scheduler")
         specs = sorted((s for s in topology.process_specs() if not s.name.startswith("gateway")),
                        key=lambda s: order.index(s.name.rsplit("-", 1)[0]))
-        for spec in specs:
-            role = spec.name.rsplit("-", 1)[0]
-            if role == "cache-store":
-                node = engines[int(spec.env["TSUKIMI_CACHE_SHARD"]) % len(engines)]
-            else:
-                node = spec.name if role != "scheduler" else "scheduler"
-            await self._start_instance(spec.name, role, node, {**spec.env})
+        try:
+            for spec in specs:
+                role = spec.name.rsplit("-", 1)[0]
+                if role == "cache-store":
+                    node = engines[int(spec.env["TSUKIMI_CACHE_SHARD"]) % len(engines)]
+                else:
+                    node = spec.name if role != "scheduler" else "scheduler"
+                await self._start_instance(spec.name, role, node, {**spec.env})
+        except BaseException:  # a setting one role refuses: what started stops, as `tsukimi up` would
+            await self.stop()
+            raise
 
     async def _start_instance(self, instance_id: str, role: str, node: str, env: dict[str, str]) -> None:
         kind, build = _BUILDS[role]

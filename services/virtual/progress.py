@@ -1,26 +1,36 @@
 """The progress line of a virtual run, in wall time (the virtual clock would say the run is instant): requests done
 of planned, the simulated seconds reached of the trace's span, simulated seconds per wall second, and the ETA.
-Redrawn in place on a terminal, a plain line every 10 s otherwise."""
+Redrawn in place on a terminal, a plain line every 10 s otherwise; and, for whoever runs many runs (the experiment's
+progress bar), the same figures as a small JSON file rewritten every second."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from loadgen.record import RequestRecord
 from services.virtual.clock import wall_clock
 from services.virtual.replay import Replay
 
+PROGRESS_FILE_EVERY_S = 1.0
+
 
 class VirtualProgress:
-    def __init__(self, num_planned: int, span_s: float, enabled: bool = True, stream: TextIO | None = None) -> None:
+    """Hears each finished request (`done`) and draws the line when enabled; writes `progress_file` when given."""
+
+    def __init__(self, num_planned: int, span_s: float, enabled: bool = True, stream: TextIO | None = None,
+                 progress_file: Path | None = None) -> None:
         self.num_planned, self.span_s, self.enabled = num_planned, span_s, enabled
+        self.progress_file = progress_file
         self.stream = stream or sys.stderr
         self.is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.started = wall_clock()
         self.num_done = self.num_rejected = self.num_failed = 0
         self._replay: Replay | None = None
-        self._drawn_at = -1e9
+        self._drawn_at = self._written_at = -1e9
 
     def start(self, replay: Replay) -> None:
         self._replay = replay
@@ -38,6 +48,20 @@ class VirtualProgress:
         if self.enabled and (now - self._drawn_at >= every_s or self.num_done == self.num_planned):
             self._drawn_at = now
             self._draw()
+        if self.progress_file is not None and now - self._written_at >= PROGRESS_FILE_EVERY_S:
+            self._written_at = now
+            self.write_file()
+
+    def write_file(self) -> None:
+        """The figures as JSON (`num_done`, `num_planned`, `simulated_s`, `span_s`, `wall_s`), replaced whole so
+        that a reader never sees half of it."""
+        assert self.progress_file is not None
+        simulated = 0.0 if self._replay is None else self._replay.elapsed_s()
+        figures = {"num_done": self.num_done, "num_planned": self.num_planned, "simulated_s": round(simulated, 3),
+                   "span_s": round(self.span_s, 3), "wall_s": round(self.wall_s(), 3)}
+        partial = self.progress_file.with_name(self.progress_file.name + ".part")
+        partial.write_text(json.dumps(figures))
+        os.replace(partial, self.progress_file)
 
     def line(self) -> str:
         wall = max(self.wall_s(), 1e-9)
@@ -56,6 +80,8 @@ class VirtualProgress:
         self.stream.flush()
 
     def close(self) -> None:
+        if self.progress_file is not None and self.num_done:
+            self.write_file()
         if self.enabled and self.is_tty and self.num_done:
             self.stream.write("\n")
             self.stream.flush()

@@ -6,6 +6,7 @@ where KV lives and how a step attends over it is the store's (`shared.engine.kv`
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -23,7 +24,14 @@ from shared.model.llama import Llama, build_model
 
 
 class Runner(Protocol):
-    """What the engine needs of a runner: the KV store, the request's end, and one step."""
+    """What the engine needs of a runner: the KV store, the request's end, and one step.
+
+    Attributes:
+        tokens_ready_at: `time.perf_counter()` when the last step's sampled tokens existed (what a decode instance
+            times its token gaps by, before its host's own delays in passing them on).
+    """
+
+    tokens_ready_at: float
 
     @property
     def store(self) -> KvStore: ...
@@ -66,6 +74,7 @@ class ModelRunner:
         self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
+        self.tokens_ready_at = 0.0
 
     @property
     def max_num_seqs(self) -> int:
@@ -91,6 +100,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor(rows)])
             self._suppress_early_eos(logits, seqs)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+        self.tokens_ready_at = time.perf_counter()
         return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
 
     def forget(self, request_id: str) -> None:

@@ -25,6 +25,8 @@ from shared.sim.profiles import SimProfile, get_profile
 SIM_WORD = " sim"  # what every simulated token decodes to
 # A step that starts within this long of the previous one's end continues a busy engine: the host's own time between
 # them (delivering tokens over NATS, the event loop) counts towards its sleep, as a GPU engine's CPU work overlaps.
+# The previous end is the modelled one: a host that wakes late from a step's sleep delays the tokens it passes on,
+# not the next step, as a GPU's next kernel does not wait for the CPU to notice the last one ended.
 BACK_TO_BACK_S = 0.05
 # `before_layer` returning later than this waited for a prefix layer's KV (an unwaited check takes microseconds): the
 # layer cannot start before that KV is there.
@@ -41,7 +43,8 @@ class SimRunner:
     """Stands in for `ModelRunner`: each step sleeps for `step_time` of its work, layer by layer when the engine
     hooks layers (prefill streams KV per layer, and waits per layer for a loaded prefix), and samples `token_id`.
     Back-to-back steps are paced from the previous step's end (see `BACK_TO_BACK_S`), so a busy engine steps at the
-    modelled rate as long as this host keeps up.
+    modelled rate as long as this host keeps up; `tokens_ready_at` is a step's modelled end (or, when the host was
+    slower than the model, when it handed the step over).
 
     Args:
         profile: the model and GPUs simulated.
@@ -66,6 +69,7 @@ class SimRunner:
         blocks = BlockManager(num_blocks, config.block_size, namespace, on_block_event)
         self.store = SizedKvStore(profile.model, blocks, config.kv_format, config.max_num_seqs, sized_codec=sized_codec)
         self.last_step_s = 0.0  # the predicted time of the last step
+        self.tokens_ready_at = 0.0
         self._last_end = -math.inf  # perf_counter() when the last step ended
 
     @property
@@ -89,10 +93,12 @@ class SimRunner:
         now = time.perf_counter()
         start = self._last_end if now - self._last_end < BACK_TO_BACK_S else now
         if after_layer is None and before_layer is None:
-            _sleep_until(start + self.last_step_s)
-        else:
+            end = max(start + self.last_step_s, now)
+            _sleep_until(end)
+        else:  # the hooks' host time may push the end past the modelled one (see `_layer_by_layer`)
             self._layer_by_layer(start, self.last_step_s, after_layer, before_layer)
-        self._last_end = time.perf_counter()
+            end = time.perf_counter()
+        self._last_end = self.tokens_ready_at = end
         return {c.seq.request_id: self.token_id for c in plan.chunks if c.completes_sequence}
 
     def _layer_by_layer(self, start: float, seconds: float, after_layer: LayerCallback | None,

@@ -3,13 +3,14 @@ conversation trace."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
 from loadgen.prompts import BlockTokens
-from loadgen.trace import BUNDLED_TRACE, TraceError, TraceOptions, load_trace, read_trace
+from loadgen.trace import BUNDLED_TRACE, CONVERSATION_TRACE, TraceError, TraceOptions, load_trace, read_trace
 
 REAL_TRACE = BUNDLED_TRACE  # the first 1,000 lines of the real Mooncake trace (loadgen/data/README.md)
 
@@ -130,3 +131,20 @@ def test_the_real_trace_shares_block_zero_in_every_request(tmp_path: Path) -> No
     assert all(r.arrival_s >= 0 for r in requests)
     assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
     assert len({tuple(r.prompt) for r in requests}) == 200  # beyond the system prompt they differ
+
+
+def test_a_gzip_trace_reads_as_its_jsonl(trace_file: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(trace_file.read_bytes()))
+    assert read_trace(packed) == read_trace(trace_file)
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(TraceError, match="cannot read trace"):
+        read_trace(broken)
+
+
+def test_the_bundled_whole_trace_is_the_conversation_trace() -> None:
+    entries = read_trace(CONVERSATION_TRACE)
+    assert len(entries) == 12_031  # loadgen/data/README.md
+    assert entries[:1000] == read_trace(BUNDLED_TRACE)
+    assert entries[-1].timestamp_ms / 1000 == pytest.approx(3537, abs=1)

@@ -154,6 +154,24 @@ def test_back_to_back_steps_count_the_host_s_time(clock: FakeTime, checkpoint: C
     assert len(clock.sleeps) == num_sleeps
 
 
+def test_a_late_wake_delays_the_tokens_passing_on_not_the_next_step(clock: FakeTime, checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    runner = runner_of(engine)
+    engine.add_request("r1", prompt(100), SamplingParams(max_tokens=10))
+    engine.step()  # prefill
+    engine.step()
+    made = runner.tokens_ready_at
+    assert made == clock.now  # on time: the tokens are there when the sleep ends
+    clock.now += 0.004  # this host woke 4 ms late from that sleep
+    engine.step()
+    assert runner.tokens_ready_at == pytest.approx(made + runner.last_step_s)  # the modelled GPU did not wait
+    assert clock.sleeps[-1] == pytest.approx(runner.last_step_s - 0.004)
+    clock.now += 2 * runner.last_step_s  # a host slower than a whole step: the step ends when handed over
+    handed_over = clock.now
+    engine.step()
+    assert runner.tokens_ready_at == handed_over
+
+
 def test_a_repeated_prefix_comes_from_the_prefix_cache(clock: FakeTime, checkpoint: Checkpoint) -> None:
     engine = make_engine(checkpoint, max_num_batched_tokens=2048)
     runner = runner_of(engine)

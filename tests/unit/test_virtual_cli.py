@@ -3,6 +3,8 @@ building anything."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,12 @@ def test_bad_arguments_exit_2_with_a_message(args: list[str], says: str, capsys:
 def test_a_missing_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--trace", str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+
+def test_a_setting_a_role_refuses_exits_2_and_stops_what_started() -> None:
+    done = subprocess.run([sys.executable, "-m", "services.virtual", "--trace", str(BUNDLED_TRACE), "--num-requests",
+                           "2", "--colocated", "2", "--quiet", "--env", "TSUKIMI_POLICY=conductor"],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "TSUKIMI_POLICY=conductor needs a prefill pool" in done.stderr
+    assert "Task was destroyed" not in done.stderr  # the instances it started were stopped

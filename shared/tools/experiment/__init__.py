@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadgen.trace import BUNDLED_TRACE, TraceError
+from loadgen.trace import BUNDLED_TRACE, CONVERSATION_TRACE, TraceError
 from shared.sim.profiles import PROFILES
 from shared.tools.experiment.mooncake import (
     ALL_POLICIES,
@@ -30,8 +30,8 @@ from shared.tools.experiment.studies import STUDIES
 
 FULL = {"num_requests": 70, "time_scales": (4.0, 2.5, 1.5, 1.0), "policy_time_scale": 2.5, "policies": POLICIES}
 QUICK = {"num_requests": 16, "time_scales": (4.0, 2.0), "policy_time_scale": 2.0, "policies": ("random", "conductor")}
-# The virtual clock (nothing sleeps): the paper's 8P+8D against 16 colocated nodes, all five policies.
-VIRTUAL = {"num_requests": 2000, "time_scales": (2.0, 1.0, 0.7, 0.5), "policy_time_scale": 1.0,
+# The virtual clock (nothing sleeps): the paper's 8P+8D against 16 colocated nodes, the whole trace, all five policies.
+VIRTUAL = {"num_requests": None, "time_scales": (2.0, 1.0, 0.7, 0.5), "policy_time_scale": 1.0,
            "policies": ALL_POLICIES, "num_prefill": 8, "num_decode": 8, "num_cache_stores": 16, "studies": STUDIES}
 VIRTUAL_QUICK = {"num_requests": 200, "time_scales": (2.0, 1.0), "policy_time_scale": 1.0,
                  "policies": ("random", "conductor"), "num_prefill": 2, "num_decode": 2, "num_cache_stores": 4}
@@ -54,11 +54,12 @@ system and their ratio, the average TTFT per policy, cache hit rates; beside the
 
 --clock virtual: every run is instead the whole cluster in one process on a virtual clock (python -m
 services.virtual: the same service classes, an in-process NATS, a modelled network, nothing sleeping), --parallel at
-a time, at the paper's scale: 8 prefill + 8 decode against 16 colocated nodes, 2,000 requests, all five policies
-(--quick: 2P+2D, 200 requests), then the studies (--studies): the capacity against three more colocated baselines
-(plain, prefix caching alone, chunked prefill alone), the hit rate against the pool's size and a global pool against
-local caches, the P/D split of 16 nodes from 5P11D to 11P5D, rejection off / on current load / predicted at twice
-the trace's rate with the pools' load over time, and the pool and every transfer at kvquant-3's bytes.
+a time, at the paper's scale: 8 prefill + 8 decode against 16 colocated nodes, the whole conversation trace (12,031
+requests; about 10 minutes a run, two at a time on two cores), all five policies (--quick: 2P+2D, 200 requests),
+then the studies (--studies): the capacity against three more colocated baselines (plain, prefix caching alone,
+chunked prefill alone), the hit rate against the pool's size and a global pool against local caches, the P/D split
+of 16 nodes from 5P11D to 11P5D, rejection off / on current load / predicted at twice the trace's rate with the
+pools' load over time, and the pool and every transfer at kvquant-3's bytes.
 """
 
 
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, default=BUNDLED_TRACE,
-                        help="Mooncake JSONL trace (default: its first 1,000 requests, bundled)")
+    parser.add_argument("--trace", type=Path,
+                        help="Mooncake JSONL trace, .jsonl or .jsonl.gz (default: the conversation trace, bundled: "
+                             "its first 1,000 requests; --clock virtual: all 12,031)")
     parser.add_argument("--quick", action="store_true", help="fewer requests and loads: under 5 minutes")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure as one JSON object")
     parser.add_argument("--report", type=Path, metavar="DIR", default=Path("mooncake-report"),
@@ -85,12 +87,13 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "virtual"), default="wall",
                         help="wall: every run real processes in real time (default); virtual: every run the whole "
                              "cluster in one process on a virtual clock (python -m services.virtual), the paper's "
-                             "scale: 8P+8D against 16 colocated, 2,000 requests (quick: 2P+2D, 200)")
+                             "scale: 8P+8D against 16 colocated, the whole trace (quick: 2P+2D, 200 requests)")
     parser.add_argument("--parallel", type=int, default=2, metavar="N",
                         help="virtual clock: runs at once, one core each (default 2)")
     parser.add_argument("--prefill", type=int, metavar="P", help="tsukimi's prefill instances (default 2; virtual 8)")
     parser.add_argument("--decode", type=int, metavar="D", help="tsukimi's decode instances (default 2; virtual 8)")
-    parser.add_argument("--num-requests", type=int, metavar="N", help="requests per run (default: 70; quick 16)")
+    parser.add_argument("--num-requests", type=int, metavar="N",
+                        help="the trace's first N requests in each run (default 70, quick 16; virtual: all, quick 200)")
     parser.add_argument("--time-scales", metavar="X,Y,...",
                         help="loads of the sweep: arrival times multiplied by each (default: 4,2.5,1.5,1; quick 4,2)")
     parser.add_argument("--policies", metavar="A,B,...",
@@ -123,13 +126,14 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Experi
     preset.setdefault("num_prefill", 2)
     preset.setdefault("num_decode", 2)
     num_requests = preset["num_requests"] if args.num_requests is None else args.num_requests
+    trace = args.trace or (CONVERSATION_TRACE if args.clock == "virtual" else BUNDLED_TRACE)
     scales: tuple[float, ...] = preset["time_scales"]  # type: ignore[assignment]
     if args.time_scales:
         scales = _numbers(args.time_scales, "--time-scales", parser)
         preset["policy_time_scale"] = scales[len(scales) // 2]
     tbt_slos = _numbers(args.tbt_slos_ms, "--tbt-slos-ms", parser)
     pools = (int(preset["num_prefill"]), int(preset["num_decode"]))  # type: ignore[call-overload]
-    if min(scales) <= 0 or num_requests < 2 or min(pools) < 1:  # type: ignore[operator]
+    if min(scales) <= 0 or (num_requests is not None and num_requests < 2) or min(pools) < 1:  # type: ignore[operator]
         parser.error("time scales must be positive, --num-requests at least 2, --prefill and --decode at least 1")
     if min(args.input_scale, args.output_scale, args.ttft_slo_ms, *tbt_slos) <= 0:
         parser.error("scales and SLOs must be positive")
@@ -148,10 +152,10 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Experi
         if unknown:
             parser.error(f"unknown studies {', '.join(unknown)}; choose from {', '.join(STUDIES)} or none")
         preset["studies"] = studies
-    if not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}")
+    if not trace.is_file():
+        parser.error(f"no trace at {trace}")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-mooncake-"))
-    return ExperimentConfig(trace=args.trace, log_dir=log_dir, profile=args.profile, clock=args.clock,
+    return ExperimentConfig(trace=trace, log_dir=log_dir, profile=args.profile, clock=args.clock,
                             parallel=max(1, args.parallel), engine=args.engine, input_scale=args.input_scale,
                             output_scale=args.output_scale, ttft_slo_ms=args.ttft_slo_ms, tbt_slos_ms=tbt_slos,
                             **preset)  # type: ignore[arg-type]

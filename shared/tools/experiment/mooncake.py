@@ -24,6 +24,7 @@ from loadgen.trace import TraceOptions, load_trace, read_trace
 from loadgen.workload import PlannedRequest
 from shared.config import POLICIES as SCHEDULER_POLICIES
 from shared.tools.experiment.plan import BASELINE, TSUKIMI, PlannedRun
+from shared.tools.experiment.progress import RunsProgress
 from shared.tools.experiment.studies import plan_studies
 from shared.tools.experiment.system import StartError, SystemSpec, placement_counts, start_system, stop_system
 from shared.tools.experiment.virtual import VirtualOutcome, VirtualRun, run_virtual_runs
@@ -63,7 +64,7 @@ class ExperimentConfig:
     num_prefill: int = 2
     num_decode: int = 2
     num_cache_stores: int = 2
-    num_requests: int = 50
+    num_requests: int | None = 50  # None: every request of the trace
     time_scales: tuple[float, ...] = (6.0, 4.0, 2.5)
     policy_time_scale: float = 4.0
     policies: tuple[str, ...] = POLICIES
@@ -170,6 +171,8 @@ def _run_virtual(config: ExperimentConfig, runs: list[PlannedRun], say: Callable
     outcomes = [RunOutcome(run.system, run.policy, run.time_scale, len(entries) / (span_s * run.time_scale),
                            study=run.study, variant=run.variant) for run in runs]
     say(f"{len(runs)} runs of {len(entries)} requests, {config.parallel} at a time")
+    progress = RunsProgress([run.progress_path for run in planned], len(entries), say)
+    say = progress.say
 
     def done(index: int, got: VirtualOutcome) -> None:
         outcome = outcomes[index]
@@ -182,7 +185,11 @@ def _run_virtual(config: ExperimentConfig, runs: list[PlannedRun], say: Callable
             f"{first.num_rejected} rejected, {first.num_failed} failed; TTFT mean {_ms(first.ttft.mean_ms)}, "
             f"TBT p90 {_ms(first.tbt.p90_ms)}")))
 
-    run_virtual_runs(planned, config.parallel, done)
+    progress.start()
+    try:
+        run_virtual_runs(planned, config.parallel, done, progress)
+    finally:
+        progress.stop()
     return outcomes
 
 

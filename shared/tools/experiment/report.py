@@ -50,7 +50,7 @@ def _intro(results: Results, command: str, took_s: float) -> list[str]:
         "",
         what,
         "",
-        f"- Trace: the first {c.num_requests} requests of `{c.trace.name}`, arrival times multiplied by "
+        f"- Trace: {_replayed(results)} of `{c.trace.name}`, arrival times multiplied by "
         f"{', '.join(f'{s:g}' for s in c.time_scales)} (larger is lighter).",
         f"- tsukimi: {c.num_prefill} prefill + {c.num_decode} decode instances, the Conductor, "
         f"{c.num_cache_stores} cache-store shards; baseline: {c.num_prefill + c.num_decode} colocated instances "
@@ -188,10 +188,11 @@ def _notes(results: Results) -> list[str]:
                 "- The trace is scaled down (shorter prompts and answers) and its first requests share few prefixes.",
                 ""]
     if results.config.clock == "virtual":
-        return ["## How this differs from the paper", "",
-                f"- Scale: the paper replayed the whole conversation trace (12,031 requests over about an hour, 37% of "
-                f"prompt blocks reusable with an unlimited cache); these runs replay its first "
-                f"{results.config.num_requests}, where fewer prefixes repeat, so caching has less to win.",
+        scale = ("- Scale: the paper's, the whole conversation trace." if results.config.num_requests is None else
+                 "- Scale: the paper replayed the whole conversation trace (12,031 requests over about an hour, 37% "
+                 f"of prompt blocks reusable with an unlimited cache); these runs replay {_replayed(results)}, where "
+                 "fewer prefixes repeat, so caching has less to win.")
+        return ["## How this differs from the paper", "", scale,
                 "- Step times come from a roofline with assumed efficiencies (shared/sim/profiles.py), not measured "
                 "kernels; transfers take their bytes' time on modelled 4 x 200 Gbps interfaces; the services' own CPU "
                 "time is not simulated (docs/experiments/virtual-clock.md).",
@@ -280,6 +281,12 @@ def _plot_hit_rate(by_capacity: dict[str, float | None], path: Path) -> str:
            title="Hit rate against pool capacity (simulated)")
     fig.savefig(path, dpi=120)
     return path.name
+
+
+def _replayed(results: Results) -> str:
+    """'all N requests' or 'the first N requests' of the trace, N as replayed."""
+    num = max((len(run.records) for run in results.runs), default=0)
+    return f"all {num:,} requests" if results.config.num_requests is None else f"the first {num:,} requests"
 
 
 def _bound(bound: str) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadgen.record import RequestRecord
+from shared.tools.experiment.progress import RunsProgress
 from shared.tools.experiment.system import REPO_ROOT, placement_counts
 
 VIRTUAL_LOG = "virtual.log"
@@ -44,10 +45,14 @@ class VirtualRun:
     def json_path(self) -> Path:
         return self.log_dir / "virtual.json"
 
+    @property
+    def progress_path(self) -> Path:
+        return self.log_dir / "progress.json"
+
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "services.virtual", "--trace", str(self.trace), "--time-scale",
                f"{self.time_scale:g}", "--profile", self.profile, "--json", str(self.json_path), "--log-file",
-               str(self.log_dir / VIRTUAL_LOG), "--quiet"]
+               str(self.log_dir / VIRTUAL_LOG), "--quiet", "--progress-file", str(self.progress_path)]
         if self.num_requests:
             cmd += ["--num-requests", str(self.num_requests)]
         if self.max_output_tokens:
@@ -72,13 +77,16 @@ class VirtualOutcome:
     load_over_time: dict[str, list[float]] = field(default_factory=dict)
 
 
-def run_virtual_runs(runs: list[VirtualRun], parallel: int,
-                     on_done: Callable[[int, VirtualOutcome], None]) -> list[VirtualOutcome]:
-    """Every run, `parallel` at a time (each is one process on one core); `on_done(index, outcome)` hears each."""
+def run_virtual_runs(runs: list[VirtualRun], parallel: int, on_done: Callable[[int, VirtualOutcome], None],
+                     progress: RunsProgress | None = None) -> list[VirtualOutcome]:
+    """Every run, `parallel` at a time (each is one process on one core); `on_done(index, outcome)` hears each, and
+    `progress` which run starts and ends."""
 
     def one(index: int) -> VirtualOutcome:
         run, outcome = runs[index], VirtualOutcome()
         run.log_dir.mkdir(parents=True, exist_ok=True)
+        if progress is not None:
+            progress.run_started(index)
         started = time.monotonic()
         with open(run.log_dir / "virtual-stderr.log", "wb") as stderr:
             code = subprocess.run(run.command(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=stderr,
@@ -92,6 +100,8 @@ def run_virtual_runs(runs: list[VirtualRun], parallel: int,
         else:
             outcome.error = f"python -m services.virtual exited {code}: see {run.log_dir / 'virtual-stderr.log'}"
         outcome.placements = placement_counts(run.log_dir, pattern=VIRTUAL_LOG)
+        if progress is not None:
+            progress.run_done(index)
         on_done(index, outcome)
         return outcome
 
