@@ -40,6 +40,9 @@ ENV_VARS: dict[str, EnvVar] = {
                "the sim engine's KV in the pool and on every wire at this codec's bytes (none: the dtype's); sizes "
                "alone, so no calibration: kvquant-b at its width and default outlier share. GPU memory keeps the "
                "dtype's"),
+        EnvVar("TSUKIMI_SIM_KV_TOKENS", "0",
+               "tokens of KV each sim instance holds (0: what the profile's GPUs hold beside the weights); more "
+               "stands a node's local DRAM cache in for its prefix cache (Mooncake's local-cache study)"),
         EnvVar("TSUKIMI_DEPLOYMENT", "disaggregated",
                "disaggregated (prefill and decode pools) or colocated (decode instances prefill too, no prefill pool)"),
         EnvVar("TSUKIMI_DEVICE", "auto", "cpu, cuda, cuda:N or auto"),

@@ -108,7 +108,7 @@ async def load_engine(
         from shared.sim.engine import build_sim_engine
 
         engine = await asyncio.to_thread(build_sim_engine, settings.sim_profile, config, None, on_block_event,
-                                         settings.sim_kv_codec)
+                                         settings.sim_kv_codec, settings.sim_kv_tokens)
         log.info("simulated engine: steps sleep for a roofline model, no model runs", profile=settings.sim_profile,
                  sized_kv_codec=settings.sim_kv_codec,
                  kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)

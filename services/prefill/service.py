@@ -248,10 +248,12 @@ class PrefillService:
             held.is_prefilled = True
             held.profile = self.engine.take_profile(out.request_id)
             num_full = len(held.task.prompt_ids) // self.engine.config.block_size
-            if self.cache is not None and not out.finished and num_full > held.num_store_blocks:
-                new_blocks = self.engine.export_block_payloads(
-                    out.request_id, held.num_store_blocks, num_full - held.num_store_blocks
-                )
+            first = held.num_store_blocks
+            if self.cache is not None and out.finish_reason != FinishReason.ERROR and num_full > first:
+                if out.finished:  # ended at its first token: the engine left its blocks in its prefix cache
+                    new_blocks = self.engine.export_cached_payloads(held.hashes[first:num_full], first)
+                else:
+                    new_blocks = self.engine.export_block_payloads(out.request_id, first, num_full - first)
         self.engine.abort(out.request_id)
         return new_blocks
 

@@ -85,6 +85,7 @@ def _service(get: Reader, role: str) -> Fields:
         engine_kind=engine_kind,
         sim_profile=get.choice("TSUKIMI_SIM_PROFILE", tuple(PROFILES)),
         sim_kv_codec=get.choice("TSUKIMI_SIM_KV_CODEC", ("none", *CODEC_NAMES)),
+        sim_kv_tokens=get.integer("TSUKIMI_SIM_KV_TOKENS", minimum=0),
         deployment=get.choice("TSUKIMI_DEPLOYMENT", DEPLOYMENTS),
         heartbeat_s=get.number("TSUKIMI_HEARTBEAT_S", minimum=0.05),
     )

@@ -26,6 +26,7 @@ class ServiceSettings:
     engine_kind: str  # "real" or "sim"
     sim_profile: str
     sim_kv_codec: str  # "none" or a codec name: the sized KV's bytes in the pool and on the wire
+    sim_kv_tokens: int  # 0: the profile's GPU memory decides
     deployment: str  # "disaggregated" or "colocated"
     heartbeat_s: float
 

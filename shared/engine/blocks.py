@@ -253,6 +253,12 @@ class BlockManager(InvariantChecks):
         """Every block hash in the prefix-cache index (what a snapshot of this cache lists)."""
         return list(self._index)
 
+    def cached_block_ids(self, block_hashes: Sequence[int]) -> list[int] | None:
+        """The blocks the prefix-cache index holds under `block_hashes`, in order (a finished sequence's, until they
+        are evicted); None when one of them is not there."""
+        block_ids = [self._index.get(block_hash) for block_hash in block_hashes]
+        return None if None in block_ids else block_ids  # type: ignore[return-value]
+
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence; each of its blocks loses a reference.
 

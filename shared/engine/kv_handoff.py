@@ -82,6 +82,14 @@ class KvHandoff:
         block_ids = self.block_manager.block_ids(request_id)[first_block : first_block + num_blocks]
         return [self.store.block_payload(b, first_block + i == 0) for i, b in enumerate(block_ids)]
 
+    def export_cached_payloads(self, block_hashes: list[int], first_block: int) -> list[Payload] | None:
+        """Full blocks of a request that has finished, from the prefix cache it left them in, as the cache-store keeps
+        them; `first_block` is the first one's index in its prompt. None when one was evicted meanwhile."""
+        block_ids = self.block_manager.cached_block_ids(block_hashes)
+        if block_ids is None:
+            return None
+        return [self.store.block_payload(b, first_block + i == 0) for i, b in enumerate(block_ids)]
+
     def take_profile(self, request_id: str) -> PromptProfile | None:
         """FastGen's profile of a prompt this prompt-only engine computed (`EngineConfig.prompt_only`), once; None
         without FastGen."""

@@ -54,16 +54,17 @@ class SimRunner:
         namespace: of the store's block hashes.
         on_block_event: hears every change of the prefix cache's index (`BlockManager`'s `on_event`).
         sized_codec: "none", or the codec whose bytes a block has in the pool and on the wire (`SizedKvStore`).
+        kv_tokens: the tokens of KV it holds (0: what the profile's GPUs hold beside the weights).
     """
 
     def __init__(
         self, profile: SimProfile, config: EngineConfig, token_id: int, namespace: bytes = b"",
-        on_block_event: BlockEventHook | None = None, sized_codec: str = "none",
+        on_block_event: BlockEventHook | None = None, sized_codec: str = "none", kv_tokens: int = 0,
     ) -> None:
         if config.kv_policy != "full" or config.kv_codec != "none":
             raise ValueError("the sim engine's KV has sizes alone: no KV codec, no FastGen (they need real values)")
         self.profile, self.token_id = profile, token_id
-        num_blocks = profile.kv_capacity_tokens // config.block_size
+        num_blocks = (kv_tokens or profile.kv_capacity_tokens) // config.block_size
         if num_blocks < 2:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
         blocks = BlockManager(num_blocks, config.block_size, namespace, on_block_event)
@@ -129,10 +130,10 @@ def _sleep_until(deadline: float) -> None:
 
 def build_sim_engine(
     profile_name: str, config: EngineConfig, tokenizer_path: str | None = None,
-    on_block_event: BlockEventHook | None = None, sized_codec: str = "none",
+    on_block_event: BlockEventHook | None = None, sized_codec: str = "none", kv_tokens: int = 0,
 ) -> LLMEngine:
-    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`); `on_block_event` and `sized_codec` as
-    `SimRunner`'s.
+    """An engine for `profile_name` (see `shared.sim.profiles.PROFILES`); `on_block_event`, `sized_codec` and
+    `kv_tokens` as `SimRunner`'s.
 
     Raises:
         ValueError: an unknown profile, or a block size that leaves fewer than 2 blocks.
@@ -141,5 +142,5 @@ def build_sim_engine(
     checkpoint = sim_checkpoint(profile, tokenizer_path)
     token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
     namespace = make_namespace(checkpoint.fingerprint, sim_kv_format(config.kv_format, sized_codec))
-    runner = SimRunner(profile, config, token_id, namespace, on_block_event, sized_codec)
+    runner = SimRunner(profile, config, token_id, namespace, on_block_event, sized_codec, kv_tokens)
     return LLMEngine(checkpoint, config, runner=runner)

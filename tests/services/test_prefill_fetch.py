@@ -143,9 +143,10 @@ class World:
         self.services.append(service)
         return service
 
-    async def submit(self, instance_id: str, request_id: str, name: str, fetch: bool = True) -> None:
-        task = PrefillTask(request_id, self.prompts[name], [], SamplingParams(max_tokens=4, temperature=0.0), "d0",
-                           time.time(), fetch)
+    async def submit(self, instance_id: str, request_id: str, name: str, fetch: bool = True,
+                     max_tokens: int = 4) -> None:
+        task = PrefillTask(request_id, self.prompts[name], [], SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                           "d0", time.time(), fetch)
         await self.bus.publish(self.bus.subjects.prefill_run(instance_id), task)
 
     async def result(self, request_id: str) -> tuple[HandoffEnd, torch.Tensor]:
@@ -230,6 +231,19 @@ async def test_a_stored_prefix_is_loaded_and_fetch_from_pool_false_is_honoured(w
     assert [len(s) for s in load.samples] == [3] * len(load.samples) and load.samples
     assert all(s[0] > 0 and s[1] >= s[0] and s[2] > 0 for s in load.samples)
     assert service.load().samples == []  # each beat carries the samples since the last one
+
+
+async def test_a_request_that_ends_at_its_first_token_still_stores_its_blocks(world: World, checkpoint) -> None:  # noqa: ANN001
+    text = ("Every autumn the orchard keeper wrote down which trees had borne the sweetest apples, and every spring "
+            "she grafted their twigs onto young stock, so that the orchard slowly became a record of good years.")
+    prompt = checkpoint.tokenizer.encode(text)[: 2 * BLOCK + 5]
+    world.prompts["once"] = prompt
+    hashes = block_hashes(prompt, BLOCK, world.services[0].engine.block_manager.namespace)
+    assert not any(world.store.is_complete(h) for h in hashes)
+    await world.submit("p-a", "once", "once", max_tokens=1)  # answered by prefill: no hand-off to decode
+    await until(lambda: bool(world.seen.streams.get("once")), timeout_s=60)
+    assert world.seen.streams["once"][-1].finish_reason == "length" and "once" not in world.seen.ends
+    await until(lambda: all(world.store.is_complete(h) for h in hashes))
 
 
 def corrupt(get: BlockGet, part: BlockPart) -> BlockPart:

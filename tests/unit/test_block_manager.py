@@ -77,6 +77,19 @@ def test_reuse_needs_the_same_whole_prefix_and_namespace() -> None:
     assert block_hashes([1, 2, 3, 4], 2, NS) != block_hashes([1, 2, 3, 4], 2, other.namespace)
 
 
+def test_a_finished_sequences_blocks_are_found_by_hash_until_evicted() -> None:
+    manager = BlockManager(num_blocks=4, block_size=4, namespace=NS)
+    tokens = list(range(100, 108))  # two full blocks
+    computed(manager, "a", tokens)
+    held = manager.block_ids("a")
+    hashes = block_hashes(tokens, 4, NS)
+    manager.free("a")
+    assert manager.cached_block_ids(hashes) == held
+    assert manager.cached_block_ids([hashes[0], 12345]) is None
+    computed(manager, "b", list(range(200, 216)))  # takes every block: the evictable ones go
+    assert manager.cached_block_ids(hashes) is None
+
+
 def test_out_of_blocks_leaves_all_state_unchanged() -> None:
     manager = BlockManager(num_blocks=4, block_size=2, namespace=NS)
     computed(manager, "a", [1, 2, 3])

@@ -42,7 +42,10 @@ def test_each_study_plans_its_runs(tmp_path: Path) -> None:
     assert list(pool) == [*map(str, POOL_TOKENS), "global", "local"]
     assert dict(pool["1000000"].env)["TSUKIMI_CACHE_DRAM_MB"] == "19531"  # 1M x 327,680 B over 16 shards
     assert pool["global"].pools == pool["local"].pools == GLOBAL_LOCAL_POOLS
-    assert pool["local"].max_output_tokens == 2 and dict(pool["local"].env)["TSUKIMI_CACHE_DRAM_MB"] == "1"
+    local = dict(pool["local"].env)
+    assert pool["local"].max_output_tokens == pool["global"].max_output_tokens == 1  # the paper's
+    assert local["TSUKIMI_CACHE_DRAM_MB"] == "1" and local["TSUKIMI_SIM_KV_TOKENS"] == "3000000"
+    assert "TSUKIMI_SIM_KV_TOKENS" not in dict(pool["global"].env)
     assert [r.pools for r in by_study["pd_split"]] == list(PD_SPLITS) and PD_SPLITS[0] == (5, 11)
     assert [(r.variant, r.time_scale) for r in by_study["rejection"]] == [
         (mode, REJECTION_TIME_SCALE) for mode in ("off", "current", "predicted")]

@@ -358,3 +358,16 @@ def test_a_baseline_can_turn_the_local_prefix_cache_off(clock: FakeTime) -> None
     for start in (1, 7):
         (out,) = engine.generate([shared_prefix + prompt(40, start=start)], SamplingParams(max_tokens=2))
         assert out.num_cached_tokens == 0  # the second prompt's first two blocks are computed again
+
+
+def test_a_sim_instance_can_hold_more_kv_than_its_gpus() -> None:
+    env = {"TSUKIMI_ENGINE": "sim", **SIM_ENV_DEFAULTS}
+    settings = load_settings("prefill", env)
+    assert settings.sim_kv_tokens == 0
+    default = build_sim_engine(PROFILE.name, settings.engine)
+    assert default.block_manager.num_blocks == PROFILE.kv_capacity_tokens // settings.engine.block_size
+    grown = load_settings("prefill", env | {"TSUKIMI_SIM_KV_TOKENS": "3000000"})
+    engine = build_sim_engine(PROFILE.name, grown.engine, kv_tokens=grown.sim_kv_tokens)
+    assert engine.block_manager.num_blocks == 3_000_000 // settings.engine.block_size
+    with pytest.raises(ConfigError, match="TSUKIMI_SIM_KV_TOKENS"):
+        load_settings("prefill", env | {"TSUKIMI_SIM_KV_TOKENS": "-1"})

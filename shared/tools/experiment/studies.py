@@ -5,7 +5,7 @@ mooncake.py's; these add:
 - baselines (FAST'25 Fig. 1/7): the capacity sweep against three more colocated baselines, vLLM's configurations
   (plain; prefix caching without chunking; chunked prefill without prefix caching); the main baseline has both.
 - pool (Figs. 9-10 of FAST'25's cache study): the hit rate against the cache-store pool's size, and a global pool
-  against local caches (10 prefill nodes, outputs of two tokens).
+  against local caches (10 prefill nodes of 3M tokens each, outputs of one token).
 - pd_split (Fig. 15): 16 nodes split from 5P11D to 11P5D at the policy comparison's load.
 - rejection (arXiv Table 3, Figs. 9-10): rejection off, on current load, predicted, at twice the trace's rate; the
   pools' load over time.
@@ -29,13 +29,16 @@ if TYPE_CHECKING:
 
 STUDIES = ("baselines", "pool", "pd_split", "rejection", "kv_codec")
 MAIN_BASELINE = "chunked_prefill+prefix_caching"  # the main sweep's colocated instances (the sim's defaults)
-POOL_TOKENS = (1_000_000, 3_000_000, 10_000_000, 30_000_000)  # the whole pool's capacity, in tokens of bf16 KV
+# The whole pool's capacity, in tokens of bf16 KV: from a tenth of one node's DRAM to more than the whole trace's
+# 92M distinct prompt tokens (1 TB of DRAM holds about 3M tokens of the 70B profile's KV).
+POOL_TOKENS = (1_000_000, 3_000_000, 10_000_000, 30_000_000, 100_000_000)
 # FAST'25's cache study: 10 prefill nodes, each with a local cache of 3M tokens, against one pool of their sum, outputs
-# truncated to one token. Here two: a request that ends at its first token is answered by prefill, which puts a
-# prompt's blocks into the pool only beside a hand-off to decode (one token would leave the pool empty).
+# truncated to one token. Local: no pool, and each node's prefix cache holds 3M tokens (TSUKIMI_SIM_KV_TOKENS; a
+# local DRAM cache's hit costs no transfer here, where the paper's loads it over PCIe).
 GLOBAL_LOCAL_POOLS = (10, 6)
-GLOBAL_POOL_TOKENS = 30_000_000
-GLOBAL_LOCAL_OUTPUT_TOKENS = 2
+LOCAL_CACHE_TOKENS = 3_000_000
+GLOBAL_POOL_TOKENS = GLOBAL_LOCAL_POOLS[0] * LOCAL_CACHE_TOKENS
+GLOBAL_LOCAL_OUTPUT_TOKENS = 1
 PD_SPLITS = tuple((p, 16 - p) for p in range(5, 12))
 REJECTION_MODES = ("off", "current", "predicted")
 REJECTION_TIME_SCALE = 0.5  # twice the trace's rate, as Table 3
@@ -71,11 +74,12 @@ def _pool(config: ExperimentConfig) -> Iterable[PlannedRun]:
         mb = pool_mb_per_shard(config, tokens, config.num_cache_stores)
         yield PlannedRun(TSUKIMI, "conductor", scale, "pool", str(tokens), (("TSUKIMI_CACHE_DRAM_MB", str(mb)),))
     # Local: a pool of 1 MiB a shard holds no block (one is ~168 MB on the 70B profile), so what hits is each prefill
-    # node's own prefix cache in GPU memory.
+    # node's own prefix cache, grown to the paper's local DRAM cache.
     global_mb = pool_mb_per_shard(config, GLOBAL_POOL_TOKENS, config.num_cache_stores)
-    for name, mb in (("global", global_mb), ("local", 1)):
-        yield PlannedRun(TSUKIMI, "conductor", scale, "pool", name, (("TSUKIMI_CACHE_DRAM_MB", str(mb)),),
-                         GLOBAL_LOCAL_POOLS, max_output_tokens=GLOBAL_LOCAL_OUTPUT_TOKENS)
+    local = (("TSUKIMI_CACHE_DRAM_MB", "1"), ("TSUKIMI_SIM_KV_TOKENS", str(LOCAL_CACHE_TOKENS)))
+    for name, env in (("global", (("TSUKIMI_CACHE_DRAM_MB", str(global_mb)),)), ("local", local)):
+        yield PlannedRun(TSUKIMI, "conductor", scale, "pool", name, env, GLOBAL_LOCAL_POOLS,
+                         max_output_tokens=GLOBAL_LOCAL_OUTPUT_TOKENS)
 
 
 def _pd_split(config: ExperimentConfig) -> Iterable[PlannedRun]:
