@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         log_stream = open(args.log_file, "a", encoding="utf-8")  # noqa: SIM115 -- as long as the process
     configure_logging("virtual", "virtual", "info" if args.log_file else "warning", "json", log_stream)
     progress = VirtualProgress(len(entries), (entries[-1].timestamp_ms - entries[0].timestamp_ms) / 1000
-                               * args.time_scale, enabled=not args.quiet)
+                               * args.time_scale, enabled=not args.quiet, progress_file=args.progress_file)
     try:
         outcome = clock.run_virtual(lambda: _run(spec, entries, args, progress))
     except ConfigError as exc:

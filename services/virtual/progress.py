@@ -29,6 +29,7 @@ class VirtualProgress:
         self.is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.started = wall_clock()
         self.num_done = self.num_rejected = self.num_failed = 0
+        self.simulated_s = 0.0  # how far the replay had got at the last finished request
         self._replay: Replay | None = None
         self._drawn_at = self._written_at = -1e9
 
@@ -43,6 +44,8 @@ class VirtualProgress:
         self.num_done += 1
         self.num_rejected += record.is_rejected
         self.num_failed += record.is_failed
+        if self._replay is not None:
+            self.simulated_s = self._replay.elapsed_s()
         now = wall_clock()
         every_s = 0.5 if self.is_tty else 10.0
         if self.enabled and (now - self._drawn_at >= every_s or self.num_done == self.num_planned):
@@ -56,16 +59,16 @@ class VirtualProgress:
         """The figures as JSON (`num_done`, `num_planned`, `simulated_s`, `span_s`, `wall_s`), replaced whole so
         that a reader never sees half of it."""
         assert self.progress_file is not None
-        simulated = 0.0 if self._replay is None else self._replay.elapsed_s()
-        figures = {"num_done": self.num_done, "num_planned": self.num_planned, "simulated_s": round(simulated, 3),
-                   "span_s": round(self.span_s, 3), "wall_s": round(self.wall_s(), 3)}
+        figures = {"num_done": self.num_done, "num_planned": self.num_planned,
+                   "simulated_s": round(self.simulated_s, 3), "span_s": round(self.span_s, 3),
+                   "wall_s": round(self.wall_s(), 3)}
         partial = self.progress_file.with_name(self.progress_file.name + ".part")
         partial.write_text(json.dumps(figures))
         os.replace(partial, self.progress_file)
 
     def line(self) -> str:
         wall = max(self.wall_s(), 1e-9)
-        simulated = 0.0 if self._replay is None else self._replay.elapsed_s()
+        simulated = self.simulated_s
         rate = simulated / wall
         eta = (self.span_s - simulated) / rate if rate > 0 and simulated < self.span_s else 0.0
         share = self.num_done / self.num_planned if self.num_planned else 1.0

@@ -3,6 +3,7 @@ building anything."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,13 @@ def test_a_setting_a_role_refuses_exits_2_and_stops_what_started() -> None:
                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "TSUKIMI_POLICY=conductor needs a prefill pool" in done.stderr
     assert "Task was destroyed" not in done.stderr  # the instances it started were stopped
+
+
+def test_a_run_keeps_its_progress_in_the_file_it_is_given(tmp_path: Path) -> None:
+    progress = tmp_path / "progress.json"
+    done = subprocess.run([sys.executable, "-m", "services.virtual", "--trace", str(BUNDLED_TRACE), "--num-requests",
+                           "3", "--quiet", "--progress-file", str(progress)],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(progress.read_text())
+    assert figures["num_done"] == figures["num_planned"] == 3 and figures["simulated_s"] > 0
