@@ -86,6 +86,16 @@ def test_help_explains_up_and_compose(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0 and "--output" in out
 
 
+def test_up_and_the_control_commands_do_not_load_torch() -> None:
+    """The supervisor (and compose, secrets, nats, keys) import only their own command: no torch, no model code."""
+    probe = ("import sys\nfrom shared.tools.cli.main import main\nfor command in ('up', 'compose', 'secrets', 'nats', "
+             "'keys'):\n    try:\n        main([command, '--help'])\n    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in ('torch', 'shared.model.llama', 'shared.engine.engine') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stderr[-2000:]
+
+
 def test_compose_prints_or_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compose"]) == 0
     assert capsys.readouterr().out == render_compose()

@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from types import ModuleType
 
-from shared.tools.cli import (
-    bench_engine,
-    calibrate,
-    chat,
-    compose,
-    eval_fastgen,
-    eval_kv,
-    generate,
-    keys,
-    nats,
-    secrets,
-    up,
-)
 from shared.tools.cli.common import CliError
 
 DESCRIPTION = """\
@@ -38,29 +27,38 @@ Commands:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command's module, imported only when its command runs (or every one, for the overview): `tsukimi up` need not
+# import torch, which the engine's commands do.
+COMMAND_MODULES = {"generate": "generate", "chat": "chat", "bench": "bench_engine", "eval": "eval_kv eval_fastgen",
+                   "calibrate": "calibrate", "up": "up", "compose": "compose", "secrets": "secrets", "nats": "nats",
+                   "keys": "keys"}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command` alone (its options and help are the same)."""
     parser = argparse.ArgumentParser(
         prog="tsukimi", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    generate.register(commands)
-    chat.register(commands)
-    bench_engine.register(commands)
-    evaluate = commands.add_parser("eval", help="quality evaluations (tsukimi eval kv --help, eval fastgen --help)")
-    kinds = evaluate.add_subparsers(dest="eval", metavar="WHAT", required=True)
-    eval_kv.register(kinds)
-    eval_fastgen.register(kinds)
-    calibrate.register(commands)
-    up.register(commands)
-    compose.register(commands)
-    secrets.register(commands)
-    nats.register(commands)
-    keys.register(commands)
+    for name in [command] if command in COMMAND_MODULES else COMMAND_MODULES:
+        if name == "eval":
+            evaluate = commands.add_parser("eval", help="quality evaluations (tsukimi eval kv --help, eval fastgen "
+                                                        "--help)")
+            kinds = evaluate.add_subparsers(dest="eval", metavar="WHAT", required=True)
+            _module("eval_kv").register(kinds)
+            _module("eval_fastgen").register(kinds)
+        else:
+            _module(COMMAND_MODULES[name]).register(commands)
     return parser
 
 
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"shared.tools.cli.{name}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
