@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -109,8 +110,11 @@ class LLMEngine(KvHandoff):
         cls, model_path: str | None = None, config: EngineConfig | None = None,
         on_block_event: BlockEventHook | None = None,
     ) -> LLMEngine:
-        """Load a GGUF file or safetensors folder (None: the default SmolLM2 model) and build an engine."""
-        return cls(load_checkpoint(model_path), config, on_block_event=on_block_event)
+        """Load a GGUF file or safetensors folder (None: the default SmolLM2 model) and build an engine; the
+        checkpoint's float32 weights are freed, and given back to the system, once the model holds its own."""
+        engine = cls(load_checkpoint(model_path), config, on_block_event=on_block_event)
+        _give_back_freed_memory()
+        return engine
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix_source: PrefixSource | None = None
@@ -315,3 +319,13 @@ class LLMEngine(KvHandoff):
             seq.request_id, tokens, new_text, reason, seq.num_prompt_tokens, seq.num_output_tokens,
             seq.num_cached_tokens, seq.kv_bytes_saved, error,
         )
+
+
+def _give_back_freed_memory() -> None:
+    """glibc keeps freed heap pages for reuse; a model load frees about twice the model's size at once, which would
+    stay in the process's RSS (measured: 1.62 -> 1.26 GB for SmolLM2 in bf16). Nothing elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)

@@ -161,25 +161,32 @@ class DenseCausalAttention:
         return out.transpose(0, 1)
 
 
-def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama names -> this module's names (q/k/v and gate/up fused)."""
-    fused: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": state_dict["model.embed_tokens.weight"],
-        "norm.weight": state_dict["model.norm.weight"],
-    }
+def fuse_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], config: LlamaConfig, dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama names -> this module's names (q/k/v and gate/up fused), as new tensors in `dtype` on
+    `device` (None: as given); `state_dict` is left as it was."""
+
+    def take(name: str) -> torch.Tensor:
+        return state_dict[name].to(device=device, dtype=dtype, copy=True)
+
+    def fused(names: list[str]) -> torch.Tensor:
+        return torch.cat([state_dict[n].to(device=device, dtype=dtype) for n in names], dim=0)
+
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight"),
+                                    "norm.weight": take("model.norm.weight")}
     if not config.tie_word_embeddings:
-        fused["lm_head.weight"] = state_dict["lm_head.weight"]
+        out["lm_head.weight"] = take("lm_head.weight")
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = [state_dict[f"{hf}self_attn.{p}_proj.weight"] for p in "qkv"]
-        fused[f"{ours}self_attn.qkv_proj.weight"] = torch.cat(attn, dim=0)
-        fused[f"{ours}self_attn.o_proj.weight"] = state_dict[f"{hf}self_attn.o_proj.weight"]
-        gate_up = [state_dict[f"{hf}mlp.{p}_proj.weight"] for p in ("gate", "up")]
-        fused[f"{ours}mlp.gate_up_proj.weight"] = torch.cat(gate_up, dim=0)
-        fused[f"{ours}mlp.down_proj.weight"] = state_dict[f"{hf}mlp.down_proj.weight"]
-        fused[f"{ours}input_layernorm.weight"] = state_dict[f"{hf}input_layernorm.weight"]
-        fused[f"{ours}post_attention_layernorm.weight"] = state_dict[f"{hf}post_attention_layernorm.weight"]
-    return fused
+        out[f"{ours}self_attn.qkv_proj.weight"] = fused([f"{hf}self_attn.{p}_proj.weight" for p in "qkv"])
+        out[f"{ours}self_attn.o_proj.weight"] = take(f"{hf}self_attn.o_proj.weight")
+        out[f"{ours}mlp.gate_up_proj.weight"] = fused([f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up")])
+        out[f"{ours}mlp.down_proj.weight"] = take(f"{hf}mlp.down_proj.weight")
+        out[f"{ours}input_layernorm.weight"] = take(f"{hf}input_layernorm.weight")
+        out[f"{ours}post_attention_layernorm.weight"] = take(f"{hf}post_attention_layernorm.weight")
+    return out
 
 
 def build_model(
@@ -193,15 +200,17 @@ def build_model(
     """
     with torch.device("meta"):
         model = Llama(config)
-    model = model.to_empty(device=device)
-    weights = fuse_hf_state_dict(hf_state_dict, config)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # The weights are converted once, straight into the model (no second copy of the whole model at the
+    # checkpoint's dtype), so that loading takes about one model's memory beside the checkpoint.
+    weights = fuse_hf_state_dict(hf_state_dict, config, dtype, device)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    del weights
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model = model.to(dtype).eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
     # RoPE tables stay fp32 whatever the weights are; they are cast per step, after the lookup.
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
     if pack_weights and can_pack(device, dtype):
