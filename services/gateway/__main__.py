@@ -11,6 +11,7 @@ from services.gateway.backend import COLOCATED_ROLES_FOR_HEALTH, ROLES_FOR_HEALT
 from services.gateway.prompt import ModelInfo
 from services.gateway.service import GatewayService
 from shared.config import ConfigError, GatewaySettings
+from shared.model.dummy import is_dummy
 from shared.model.manifest import read_manifest
 from shared.sim.manifest import sim_kv_format, sim_manifest, sim_model_name
 from shared.sim.profiles import get_profile
@@ -21,10 +22,13 @@ from shared.wire.protocol import Role
 
 def model_info(settings: GatewaySettings) -> ModelInfo:
     """The served model's tokenizer and limits, from its manifest (no weights are loaded). Under the sim backend:
-    the profile's limits, the default tokenizer, and a model id that says it is simulated."""
+    the profile's limits, the default tokenizer, and a model id that says it is simulated; a model of random weights
+    (`dummy:NAME`) is served under that name."""
     if settings.engine_kind == "sim":
         profile = get_profile(settings.sim_profile)
         manifest, name = sim_manifest(profile), sim_model_name(profile)
+    elif is_dummy(settings.model_path):
+        manifest, name = read_manifest(settings.model_path), str(settings.model_path)
     else:
         manifest, name = read_manifest(settings.model_path), settings.model_name
     return ModelInfo(

@@ -20,7 +20,7 @@ from shared.engine.kv.store import KvStore, LayerCallback
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
-from shared.model.llama import Llama, build_model
+from shared.model.llama import Llama, build_dummy_model, build_model
 
 
 class Runner(Protocol):
@@ -68,12 +68,18 @@ class ModelRunner:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
-        self.model: Llama = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device)
+        if checkpoint.is_dummy:
+            self.model: Llama = build_dummy_model(checkpoint.config, config.torch_dtype, self.device)
+        else:
+            self.model = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device)
         self.block_size = config.block_size
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
         self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
+        # A vocabulary larger than the tokenizer's (padded embeddings; a dummy model's shape) never samples an id
+        # the tokenizer cannot decode.
+        self.num_decodable = min(checkpoint.config.vocab_size, checkpoint.tokenizer.vocab_size)
         self.tokens_ready_at = 0.0
 
     @property
@@ -98,6 +104,8 @@ class ModelRunner:
             if not rows:
                 return {}
             logits = self.model.compute_logits(hidden[self._tensor(rows)])
+            if self.num_decodable < logits.shape[-1]:
+                logits[:, self.num_decodable :] = float("-inf")
             self._suppress_early_eos(logits, seqs)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
         self.tokens_ready_at = time.perf_counter()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from shared.model.config import LlamaConfig
+from shared.model.dummy import is_dummy
 from shared.model.gguf_file import read_gguf
 from shared.model.manifest import read_manifest
 from shared.model.safetensors_folder import read_state_dict
@@ -27,7 +28,8 @@ class Checkpoint:
             `config.tie_word_embeddings`.
         tokenizer: the model's tokenizer and chat template.
         fingerprint: 16 hex digits identifying the weights (`manifest.fingerprint`); namespaces KV block hashes.
-        path: the .gguf file or the Hugging Face folder it was loaded from.
+        path: the .gguf file or the Hugging Face folder it was loaded from (a dummy's: its shape's file).
+        is_dummy: no weights (`state_dict` is empty): the model gets random ones (`shared.model.dummy`).
     """
 
     config: LlamaConfig
@@ -35,6 +37,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     fingerprint: str
     path: Path
+    is_dummy: bool = False
 
 
 def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
@@ -42,7 +45,7 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
     manifest (`read_manifest`), then its weights as float32.
 
     Args:
-        path: the file or folder; None loads `default_model_path()`.
+        path: the file or folder; None loads `default_model_path()`; `dummy:NAME` loads no weights (`is_dummy`).
     Raises:
         FileNotFoundError: nothing at `path`, a folder without config.json, or missing weight/tokenizer files.
         ValueError: a file that is not .gguf, an unsupported architecture, or weights whose names or shapes
@@ -50,6 +53,8 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
     """
     manifest = read_manifest(path)
     config = manifest.config
+    if is_dummy(path):
+        return Checkpoint(config, {}, manifest.tokenizer, manifest.fingerprint, manifest.path, is_dummy=True)
     if manifest.path.is_file():
         _, state_dict, _ = read_gguf(manifest.path)
     else:

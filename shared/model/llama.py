@@ -189,6 +189,31 @@ def fuse_hf_state_dict(
     return out
 
 
+DUMMY_WEIGHT_RANGE = 1e-3  # uniform weights in [-r, r], as vLLM's dummy loader: activations stay finite at any depth
+
+
+def build_dummy_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Llama:
+    """The decoder at `config`'s shape with random weights (norms 1), made in `dtype` on `device` with no copy
+    elsewhere: what `build_model` gives, for measuring speed where the real weights are not at hand."""
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.eval().requires_grad_(False)
+    model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
+    if can_pack(device, dtype):
+        pack_linears(model)
+    return model
+
+
 def build_model(
     config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
     pack_weights: bool = True,

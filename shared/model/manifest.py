@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.model.config import LlamaConfig
+from shared.model.dummy import dummy_manifest_parts, is_dummy
 from shared.model.gguf_header import llama_config, mapped_gguf
 from shared.model.hf_folder import read_folder_config, read_tokenizer, weight_files
 from shared.model.tokenizer import Tokenizer
@@ -87,11 +88,14 @@ def read_manifest(path: str | Path | None = None) -> ModelManifest:
     """The manifest of a `.gguf` file or a Hugging Face Llama folder (config.json + *.safetensors + tokenizer.json).
 
     Args:
-        path: the file or folder; None reads `default_model_path()`.
+        path: the file or folder; None reads `default_model_path()`; `dummy:NAME` a shape with random weights
+            (`shared.model.dummy`).
     Raises:
         FileNotFoundError: nothing at `path`, a folder without config.json, or missing weight/tokenizer files.
-        ValueError: a file that is not .gguf, an unsupported architecture, or a corrupt header.
+        ValueError: a file that is not .gguf, an unsupported architecture, a corrupt header, or an unknown shape.
     """
+    if is_dummy(path):
+        return ModelManifest(*dummy_manifest_parts(str(path)))
     path = model_path(path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":

@@ -180,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     model_config, dtype = checkpoint.config, config.torch_dtype
     _log("measuring memory bandwidth and matmul peak...")
     bandwidth, peak = measure_memory_bandwidth(), measure_matmul_peak(dtype)
-    if args.skip_transformers:
+    if checkpoint.is_dummy and not args.skip_transformers:
+        _log("random weights (dummy:...): transformers has no model to load, so only tsukimi is measured")
+    if args.skip_transformers or checkpoint.is_dummy:
         rows = _bench_rows(_Setup(engine, None, model_config, dtype, bandwidth, peak), args)
     else:
         _log("loading transformers' model in a separate process...")

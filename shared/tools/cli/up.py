@@ -22,6 +22,7 @@ from shared.config import (
     load_role_settings,
 )
 from shared.engine.config import KV_POLICIES
+from shared.model.dummy import dummy_manifest_parts, is_dummy
 from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
 from shared.tools.cli.common import CliError, add_kv_codec_args, positive_int
@@ -85,7 +86,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                              "(TSUKIMI_INSECURE_HTTP=on)")
     parser.add_argument("--port", type=int, help="gateway port (default: $TSUKIMI_PORT or 8000)")
     parser.add_argument(
-        "--model", metavar="PATH", help="a GGUF file or safetensors folder (default: SmolLM2-135M-Instruct)"
+        "--model", metavar="PATH", help="a GGUF file or safetensors folder (default: SmolLM2-135M-Instruct); "
+        "dummy:NAME serves random weights at a shipped shape (llama-3-8b, llama-3-70b, tiny) to measure speed"
     )
     parser.add_argument("--nats-url", metavar="URL", help="use this NATS server instead of starting one")
     parser.add_argument(
@@ -164,7 +166,9 @@ def _run(
     if auth is None and not settings.nats_credentials.password and "@" not in topology.nats_url:
         say("WARNING: connecting to NATS without credentials: whoever reaches it reads and forges every message "
              "(see --nats-secrets)")
-    model_name = settings.model_name
+    model_name = args.model if is_dummy(args.model) else settings.model_name
+    if is_dummy(args.model):
+        say(f"RANDOM WEIGHTS: {args.model} has the shape of a real model and none of its knowledge (for measuring)")
     if settings.engine_kind == "sim":
         profile = get_profile(settings.sim_profile)
         model_name = sim_model_name(profile)
@@ -248,7 +252,13 @@ def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
         raise CliError("--colocated N replaces --prefill and --decode")
     prefill, decode = (0, args.colocated) if args.colocated else (args.prefill or 1, args.decode or 1)
     model = None
-    if args.model:
+    if args.model and is_dummy(args.model):
+        try:
+            dummy_manifest_parts(args.model)
+        except (ValueError, FileNotFoundError) as exc:
+            raise CliError(str(exc)) from None
+        model = args.model
+    elif args.model:
         path = Path(args.model).expanduser()
         if not path.exists():
             raise CliError(f"no model at {args.model}")
