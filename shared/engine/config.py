@@ -17,6 +17,17 @@ if TYPE_CHECKING:
 
 DTYPES = ("fp32", "bf16", "fp16")  # torch.float32, torch.bfloat16, torch.float16 (`torch_dtype`)
 KV_POLICIES = ("full", "fastgen")
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # instructions that compute bf16 natively (oneDNN's fast paths)
+
+
+def cpu_native_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """"bf16" where this machine's CPU computes bf16 natively (Intel AMX, AVX-512 BF16), else "fp32" (bf16 weights
+    would then be widened for every matmul). Read from /proc/cpuinfo, without torch; "fp32" where there is none."""
+    try:
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "").split()
+    except OSError:
+        return "fp32"
+    return "bf16" if any(flag in flags for flag in CPU_BF16_FLAGS) else "fp32"
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> Syst
     secrets_file = tmp / "nats-secrets.env"
     write_private(secrets_file, secrets.env_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
-    env |= {"TSUKIMI_KV_CACHE_MB": "64", "TSUKIMI_CACHE_DRAM_MB": "256", "TSUKIMI_NUM_THREADS": "1",
+    env |= {"TSUKIMI_DTYPE": "fp32",  # the dtype the oracle tests check; `tsukimi up` would pick bf16 on AMX CPUs
+            "TSUKIMI_KV_CACHE_MB": "64", "TSUKIMI_CACHE_DRAM_MB": "256", "TSUKIMI_NUM_THREADS": "1",
             "TSUKIMI_HEARTBEAT_S": "0.3", "TSUKIMI_KV_COMPRESS": "on",  # exercise the LZ4 path end to end
             # these tests are about function, not overload: on a busy 2-core CI machine the Conductor once predicted
             # a 100 s first token, and once a 1.4 s gap between tokens on a decode instance that also prefills, and

@@ -21,7 +21,7 @@ from shared.config import (
     check_http_exposure,
     load_role_settings,
 )
-from shared.engine.config import KV_POLICIES
+from shared.engine.config import KV_POLICIES, cpu_native_dtype
 from shared.model.dummy import dummy_manifest_parts, is_dummy
 from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import PROFILES, SIM_ENV_DEFAULTS, get_profile
@@ -163,6 +163,8 @@ def _run(
     counts = ", ".join(f"{topology.count(s)} {s.name}" for s in SERVICES)
     access = "a password per role" if auth is not None else "the TSUKIMI_NATS_* credentials"
     say(f"starting {counts} on NATS {redact_url(topology.nats_url)} ({access}); logs in {log_dir}")
+    if settings.engine_kind == "real":
+        say(f"weights and KV in {settings.engine.dtype} (TSUKIMI_DTYPE; by default bf16 where the CPU computes bf16)")
     if auth is None and not settings.nats_credentials.password and "@" not in topology.nats_url:
         say("WARNING: connecting to NATS without credentials: whoever reaches it reads and forges every message "
              "(see --nats-secrets)")
@@ -220,11 +222,14 @@ def _scheduling_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
-    """--engine, --profile, --colocated and --insecure as variables; a sim system also gets `SIM_ENV_DEFAULTS`, and a
-    colocated one the least_loaded routing, where neither the flags nor this shell say otherwise."""
+    """--engine, --profile, --colocated and --insecure as variables; a sim system also gets `SIM_ENV_DEFAULTS`, a
+    colocated one the least_loaded routing, and a real one bf16 weights and KV where the CPU computes bf16
+    (`cpu_native_dtype`), where neither the flags nor this shell say otherwise."""
     if args.profile and args.engine != "sim":
         raise CliError("--profile needs --engine sim")
     env = {}
+    if args.engine != "sim" and "TSUKIMI_DTYPE" not in os.environ:  # a shell's choice wins
+        env["TSUKIMI_DTYPE"] = cpu_native_dtype()
     if args.engine == "sim":
         env = {name: value for name, value in SIM_ENV_DEFAULTS.items() if name not in os.environ}
         env["TSUKIMI_ENGINE"] = "sim"
