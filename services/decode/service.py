@@ -271,8 +271,7 @@ class DecodeService:
         scheduler = self.engine.scheduler
         prompts_left = sum(s.num_uncomputed_tokens for s in [*scheduler.running, *scheduler.waiting]
                            if s.num_uncomputed_tokens > 1)
-        with self._lock:
-            self._running.difference_update(out.request_id for out in outputs if out.finished)
+        with self._lock:  # a finished request stays in `_running` until its last event is out (`_deliver`)
             self._kv_saved_bytes = self.engine.kv_bytes_saved()
             self._num_prompt_tokens_left = prompts_left
         return [*failures, *outputs], self.engine.has_unfinished()
@@ -330,6 +329,12 @@ class DecodeService:
     # ---- back on the event loop -------------------------------------------------------------------------------
 
     async def _deliver(self, outputs: list[RequestOutput | _Failure]) -> None:
+        """Each step's outputs, in order; a finished request leaves `_running` here, not when the step ended on the
+        engine thread: until its last event is out, its instance still holds it (so a heartbeat between the two
+        never shows it held by nobody)."""
+        with self._lock:
+            self._running.difference_update(out.request_id for out in outputs
+                                            if isinstance(out, RequestOutput) and out.finished)
         for out in outputs:
             if out.request_id in self._aborts:  # cancelled while this step ran: its client heard already
                 continue

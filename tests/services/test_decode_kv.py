@@ -243,3 +243,37 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"not within {timeout_s} s")
+
+
+
+async def test_a_finished_request_is_held_until_its_last_event_is_out(nats_url: str, checkpoint) -> None:  # noqa: ANN001
+    """A long step (a whole prompt, on a colocated instance) may end a request on the engine thread well before its
+    last event reaches the loop: the heartbeats meanwhile must still list it, or the gateway declares it lost."""
+    settings = load_settings("decode", {
+        "TSUKIMI_NATS_URL": nats_url, "TSUKIMI_SUBJECT_PREFIX": PREFIX, "TSUKIMI_INSTANCE_ID": "d0",
+        "TSUKIMI_HEARTBEAT_S": "0.2", "TSUKIMI_WARMUP": "off",
+    })
+    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", kv_cache_bytes=32 << 20, block_size=16))
+    bus = await Bus.connect(nats_url, "decode", Subjects(PREFIX))
+    service = DecodeService(settings, bus, engine)
+    held_at_delivery: dict[str, bool] = {}
+    deliver = service._deliver
+
+    async def watched(outputs: list) -> None:  # noqa: ANN001 -- RequestOutput | _Failure
+        listed = set(service.load().request_ids)
+        held_at_delivery.update({o.request_id: o.request_id in listed for o in outputs if getattr(o, "finished", 0)})
+        await deliver(outputs)
+
+    service._deliver = watched  # type: ignore[method-assign]
+    await service.start()
+    client_bus = await Bus.connect(nats_url, "client", Subjects(PREFIX))
+    client = Client(client_bus, checkpoint, engine.block_format)
+    try:
+        await client.send("held", client.chunks("held"), max_tokens=3)
+        assert (await client.wait_done("held"))[-1].finish_reason == "length"
+        assert held_at_delivery == {"held": True}
+        assert "held" not in service.load().request_ids
+    finally:
+        await service.stop()
+        await client_bus.drain()
+        await bus.drain()
