@@ -1,9 +1,10 @@
 """Models with random weights at a named model's shape (vLLM's `--load-format dummy`), to measure the engine and the
 services at a size whose weights are not on this machine, as the Mooncake paper's experiments did with a dummy
 Llama-2 70B. A model reference `dummy:NAME` names a shape shipped as data (`shapes/NAME.json`, a Hugging Face
-config.json's keys) or, as `dummy:PATH`, the architecture of a GGUF file or Hugging Face folder. The tokenizer is the
-default model's; the fingerprint names the shape, so no block of a dummy model is taken for a real one's. No torch
-here (the gateway reads it); the weights are `llama.build_dummy_model`'s.
+config.json's keys) or, as `dummy:PATH`, the architecture of a GGUF file or Hugging Face folder. The tokenizer is a
+folder's own (tokenizer.json) where it has one, else the default model's; the fingerprint names the shape, so no
+block of a dummy model is taken for a real one's. No torch here (the gateway reads it); the weights are
+`llama.build_dummy_model`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from shared.model.config import LlamaConfig
 from shared.model.gguf_header import read_gguf_metadata
-from shared.model.hf_folder import llama_config_from_json, read_folder_config
+from shared.model.hf_folder import llama_config_from_json, read_folder_config, read_tokenizer
 from shared.model.tokenizer import Tokenizer
 
 DUMMY_PREFIX = "dummy:"
@@ -55,6 +56,9 @@ def dummy_manifest_parts(ref: str) -> tuple[LlamaConfig, Tokenizer, str, Path]:
     else:
         raise ValueError(f"no model shape {name!r}: {DUMMY_PREFIX}NAME takes one of {', '.join(shape_names())}, or "
                          f"{DUMMY_PREFIX}PATH a GGUF file or a Hugging Face folder whose architecture to use")
-    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
+    if source.is_dir() and (source / "tokenizer.json").is_file():
+        tokenizer = read_tokenizer(source)
+    else:
+        tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
     fingerprint = hashlib.blake2b(f"dummy:{config}".encode(), digest_size=8).hexdigest()
     return config, tokenizer, fingerprint, source
