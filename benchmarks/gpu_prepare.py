@@ -10,7 +10,6 @@ Then, on the device: `bash benchmarks/gpu_check.sh`, carrying `.gpu`.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from shared.model.dummy import SHAPES_DIR, shape_names
 from shared.model.gguf_header import read_gguf_metadata
 from shared.model.manifest import default_model_path
 from shared.model.tokenizer import Tokenizer
+from shared.tools.hf_export import export_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / ".gpu"
@@ -40,16 +40,7 @@ def write_shape(shape: str, folder: Path) -> None:
     """config.json of `shape`, and the default model's tokenizer as tokenizer.json + tokenizer_config.json."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(SHAPES_DIR / f"{shape}.json", folder / "config.json")
-    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path()))
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    settings = {"bos_token": _token(tokenizer, tokenizer.bos_token_id),
-                "eos_token": _token(tokenizer, tokenizer.eos_token_ids[0]),
-                "add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template}
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
-
-
-def _token(tokenizer: Tokenizer, token_id: int | None) -> str | None:
-    return None if token_id is None else tokenizer.backend.id_to_token(token_id)
+    export_tokenizer(Tokenizer.from_gguf_metadata(read_gguf_metadata(default_model_path())), folder)
 
 
 def main() -> int:
