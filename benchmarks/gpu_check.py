@@ -1,7 +1,7 @@
 """The GPU check of issue 21, in one run of a few minutes on one CUDA GPU, its figures written as JSON after each part
 (a run cut short still leaves what it measured):
 
-1. the machine: GPU, versions, device-to-device copy bandwidth and a bf16 matmul's rate, measured here;
+1. the machine: GPU, versions, device-to-device copy bandwidth (bytes read and written) and a bf16 matmul's rate;
 2. the engine at a dummy model's shape (Llama-3-8B by default, bf16, Triton kernels): decode tok/s at batch
    1/8/32/128 against the roofline of those two measured rates;
 3. Triton paged decode attention against PyTorch SDPA over the same K/V made contiguous;
@@ -88,7 +88,7 @@ def engine_decode(args: argparse.Namespace, rates: dict[str, Any]) -> list[dict[
         measure_tsukimi(engine, prompts[:1], 2)  # warm-up: kernels compiled and tuned
         result = measure_tsukimi(engine, prompts, args.gen_len)
         bound = decode_roofline(engine.model_config, batch, args.prompt_len + args.gen_len / 2, torch.bfloat16,
-                                rates["copy_bytes_per_s"] / 2, rates["bf16_flop_per_s"])
+                                rates["copy_bytes_per_s"], rates["bf16_flop_per_s"])
         rows.append({"batch": batch, "decode_tok_s": result.decode_tok_s, "prefill_tok_s": result.prefill_tok_s,
                      "step_ms": result.decode_step_s * 1e3, "roofline_step_ms": bound.step_s * 1e3,
                      "step_over_roofline": result.decode_step_s / bound.step_s, "load_s": load_s})
