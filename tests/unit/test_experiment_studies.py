@@ -26,7 +26,8 @@ SCALES = (2.0, 1.0)
 
 
 def config(tmp_path: Path, clock: str = "virtual") -> ExperimentConfig:
-    return ExperimentConfig(trace=tmp_path, log_dir=tmp_path, time_scales=SCALES, policy_time_scale=1.0,
+    return ExperimentConfig(trace=tmp_path / "conversation_trace.jsonl.gz", log_dir=tmp_path, time_scales=SCALES,
+                            policy_time_scale=1.0,
                             policies=("random", "conductor"), num_prefill=8, num_decode=8, num_cache_stores=16,
                             clock=clock, studies=STUDIES)
 

@@ -8,8 +8,9 @@ from pathlib import Path
 from loadgen.metrics import Slo, Summary
 from shared.tools.experiment.capacity import THRESHOLD
 from shared.tools.experiment.mooncake import RunOutcome
+from shared.tools.experiment.paper import CONVERSATION, paper_figures
 from shared.tools.experiment.plan import BASELINE, TSUKIMI
-from shared.tools.experiment.results import PAPER_AVG_TTFT_S, PAPER_CAPACITY_RATIO, PAPER_STUDIES, Results
+from shared.tools.experiment.results import Results
 
 
 def write_report(results: Results, folder: Path, command: str, took_s: float) -> Path:
@@ -65,18 +66,20 @@ def _intro(results: Results, command: str, took_s: float) -> list[str]:
 
 
 def _capacity_section(results: Results, figures: dict[str, str]) -> list[str]:
+    paper = paper_figures(results.config.trace)
     lines = ["## Effective request capacity", "",
              "The share of requests meeting both SLOs (rejected and failed count as missing them) at each load; the "
              "capacity is the load at which it falls to 90%, interpolated between the swept loads (`>=`: never fell; "
              "`<`: below 90% already at the lightest load).", "",
-             "| TBT SLO | baseline (req/s) | tsukimi (req/s) | tsukimi / baseline | paper (Mooncake / vLLM) |",
+             "| TBT SLO | baseline (req/s) | tsukimi (req/s) | tsukimi / baseline | "
+             f"paper (Mooncake / vLLM{', ' + paper.capacity_source if paper.capacity_source else ''}) |",
              "|---|---|---|---|---|"]
     for key in (f"{t:g}" for t in results.config.tbt_slos_ms):
         base, ours = results.capacities.get(BASELINE, {}).get(key), results.capacities.get(TSUKIMI, {}).get(key)
         ratio = results.ratios.get(key)
-        paper = PAPER_CAPACITY_RATIO.get(key)
+        paper_ratio = paper.capacity_ratio.get(key)
         lines.append(f"| {key} ms | {base or 'n/a'} | {ours or 'n/a'} | {ratio or 'n/a'} | "
-                     f"{f'{paper:.2f}x' if paper else 'n/a'} |")
+                     f"{f'{paper_ratio:.2f}x' if paper_ratio else 'n/a'} |")
     lines += ["", "Share meeting the SLOs at each load (%):", "",
               "| system | TBT SLO | " + " | ".join(f"{rate:.2f} req/s" for rate, _ in _first_points(results)) + " |",
               "|---|---|" + "---|" * len(_first_points(results))]
@@ -95,6 +98,7 @@ def _first_points(results: Results) -> list[tuple[float, float]]:
 
 
 def _policy_section(results: Results, figures: dict[str, str]) -> list[str]:
+    paper = paper_figures(results.config.trace)
     lines = ["## Average TTFT by placement policy", "",
              f"tsukimi at time scale {results.config.policy_time_scale:g}, one fresh system per policy.", "",
              "| policy | average TTFT (s) | cache hit rate | paper (s) |", "|---|---|---|---|"]
@@ -102,13 +106,13 @@ def _policy_section(results: Results, figures: dict[str, str]) -> list[str]:
         if run.system == TSUKIMI and run.time_scale == results.config.policy_time_scale and not run.study:
             ttft, hit = results.avg_ttft_s.get(run.policy), results.cache_hit_rates.get(run.label)
             lines.append(f"| {run.policy} | {_num(ttft, '{:.2f}')} | {_num(hit, '{:.1%}')} | "
-                         f"{_num(PAPER_AVG_TTFT_S.get(run.policy), '{:.2f}')} |")
+                         f"{_num(paper.avg_ttft_s.get(run.policy), '{:.2f}')} |")
     return lines + ["", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("ttft")], ""]
 
 
 def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
     """The studies beyond the main sweep (studies.py), each beside the paper's figure where it has one."""
-    st, lines = results.studies, []
+    st, lines, paper = results.studies, [], paper_figures(results.config.trace)
     loosest = f"{max(results.config.tbt_slos_ms):g}"  # the tables count requests meeting the loosest TBT SLO
     if "effective_capacity_ratio_by_baseline" in st:
         keys = [f"{t:g}" for t in results.config.tbt_slos_ms]
@@ -129,7 +133,7 @@ def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
         ratio = f"{g / loc:.2f}x" if g and loc else "n/a"
         lines += ["", "Global pool against local caches (10 prefill + 6 decode nodes, outputs of one token): global "
                   f"{_num(g, '{:.1%}')} (a 30M-token pool), local {_num(loc, '{:.1%}')} (no pool; each prefill node's "
-                  f"own 3M-token cache): **{ratio}** (paper: 2.22x).", "",
+                  f"own 3M-token cache): **{ratio}** (paper: {_num(paper.hit_rate_global_over_local, '{:.2f}x')}).", "",
                   *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("hit rate")], ""]
     if "pd_sweep" in st:
         lines += ["## P/D split of 16 nodes", "", "| split | average TTFT (s) | TBT p90 (ms) | completed | meeting "
@@ -144,7 +148,7 @@ def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
                   "|---|---|---|---|---|"]
         for mode, got in st["rejections"].items():
             lines.append(f"| {mode} | {got['rejected']} | {got['completed']} | {got['meeting_slos'][loosest]} | "
-                         f"{PAPER_STUDIES['rejections'].get(mode, 'n/a')} |")
+                         f"{paper.rejections.get(mode, 'n/a')} |")
         lines += ["", *[f"![{n}]({f})" for n, f in figures.items() if n.startswith("load")], ""]
     if "kv_codec" in st:
         kv = st["kv_codec"]
@@ -188,10 +192,18 @@ def _notes(results: Results) -> list[str]:
                 "- The trace is scaled down (shorter prompts and answers) and its first requests share few prefixes.",
                 ""]
     if results.config.clock == "virtual":
-        scale = ("- Scale: the paper's, the whole conversation trace." if results.config.num_requests is None else
-                 "- Scale: the paper replayed the whole conversation trace (12,031 requests over about an hour, 37% "
-                 f"of prompt blocks reusable with an unlimited cache); these runs replay {_replayed(results)}, where "
-                 "fewer prefixes repeat, so caching has less to win.")
+        paper = paper_figures(results.config.trace)
+        if paper is not CONVERSATION:
+            scale = (f"- The paper reported only its effective request capacity on its {paper.trace} trace "
+                     f"({paper.capacity_source}); the other tables have no paper figure beside them." if paper.trace
+                     else "- The paper did not use this trace: no paper figure stands beside these, which compare "
+                     "tsukimi with its colocated baseline only.")
+        elif results.config.num_requests is None:
+            scale = "- Scale: the paper's, the whole conversation trace."
+        else:
+            scale = ("- Scale: the paper replayed the whole conversation trace (12,031 requests over about an hour, "
+                     f"37% of prompt blocks reusable with an unlimited cache); these runs replay {_replayed(results)}, "
+                     "where fewer prefixes repeat, so caching has less to win.")
         return ["## How this differs from the paper", "", scale,
                 "- Step times come from a roofline with assumed efficiencies (shared/sim/profiles.py), not measured "
                 "kernels; transfers take their bytes' time on modelled 4 x 200 Gbps interfaces; the services' own CPU "
@@ -246,7 +258,9 @@ def _plot_ttft_by_policy(results: Results, path: Path) -> str:
     xs = range(len(policies))
     label = "tsukimi (simulated)" if results.config.engine == "sim" else "tsukimi (real model, CPU)"
     ax.bar([x - 0.2 for x in xs], [results.avg_ttft_s[p] or 0.0 for p in policies], 0.4, label=label)
-    ax.bar([x + 0.2 for x in xs], [PAPER_AVG_TTFT_S.get(p, 0.0) for p in policies], 0.4, label="paper")
+    paper = paper_figures(results.config.trace).avg_ttft_s
+    if paper:
+        ax.bar([x + 0.2 for x in xs], [paper.get(p, 0.0) for p in policies], 0.4, label="paper")
     ax.set_xticks(list(xs), policies)
     ax.set(ylabel="average TTFT (s)", title="Average TTFT by placement policy")
     ax.legend()

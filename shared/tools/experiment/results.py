@@ -10,20 +10,9 @@ from typing import Any
 from loadgen.metrics import Summary, ttft_s
 from shared.tools.experiment.capacity import Capacity, Ratio, capacity, capacity_ratio
 from shared.tools.experiment.mooncake import ExperimentConfig, RunOutcome
+from shared.tools.experiment.paper import paper_figures
 from shared.tools.experiment.plan import BASELINE, TSUKIMI
 from shared.tools.experiment.studies import study_figures
-
-# Mooncake (FAST'25), conversation trace, 16 nodes of 8xA800, LLaMA-3-70B-sized dummy model: effective request capacity
-# over the best vLLM configuration at TTFT 30 s and TBT 100/200/300 ms (+498%, +157%, +59%), and the average TTFT of
-# each placement policy.
-PAPER_CAPACITY_RATIO = {"100": 5.98, "200": 2.57, "300": 1.59}
-PAPER_AVG_TTFT_S = {"conductor": 3.07, "local_cache_aware": 3.58, "least_loaded": 5.27, "random": 19.65}
-# The studies' (issue 20): FAST'25's global pool at 2.22x the local caches' hit rate (Fig. 10), its best P/D split
-# near 1:1 (Fig. 15); arXiv v1's Table 3, rejected requests of 8P+8D at 2x replay speed by rejection mode.
-PAPER_STUDIES: dict[str, Any] = {
-    "hit_rate_global_over_local": 2.22,
-    "rejections": {"off": 4183, "current": 3771, "predicted": 3589},
-}
 
 
 @dataclass
@@ -90,8 +79,7 @@ def to_json(results: Results, wall_s: float | None = None) -> dict[str, Any]:
                                for s, by_slo in results.shares.items()},
         "cache_hit_rate": results.cache_hit_rates,
         **results.studies,
-        "paper": {"effective_capacity_ratio": PAPER_CAPACITY_RATIO, "avg_ttft_s_by_policy": PAPER_AVG_TTFT_S,
-                  **PAPER_STUDIES},
+        "paper": paper_figures(config.trace).json(),
         "config": {k: (str(v) if k in ("trace", "log_dir") else v) for k, v in vars(config).items()},
         "runs": [_run_json(run, results) for run in results.runs],
     }
