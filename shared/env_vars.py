@@ -50,7 +50,14 @@ ENV_VARS: dict[str, EnvVar] = {
                "weights and KV cache: fp32, bf16 or fp16 (tsukimi up, unless set: bf16 where the CPU computes bf16)"),
         EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch or triton"),
         EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
-        EnvVar("TSUKIMI_KV_CACHE_MB", "512", "KV pool of a prefill or decode instance, MiB (SmolLM2 fp32: 11k tokens)"),
+        EnvVar("TSUKIMI_KV_CACHE_MB", "auto",
+               "KV pool of a prefill or decode instance, MiB (SmolLM2 bf16: 45 tokens a MiB), or auto: "
+               "TSUKIMI_KV_MEMORY_FRACTION of the memory available once the weights are loaded, no more than "
+               "TSUKIMI_MAX_NUM_SEQS sequences of the model's whole context; on the CPU a pool takes memory as it "
+               "fills"),
+        EnvVar("TSUKIMI_KV_MEMORY_FRACTION", "0.25",
+               "with TSUKIMI_KV_CACHE_MB=auto, the share of the host's (or container's) available memory, or of a "
+               "GPU's free memory, this instance's KV pool takes; tsukimi up shares 0.5 among its engines"),
         EnvVar("TSUKIMI_BLOCK_SIZE", "64", "tokens per KV block"),
         EnvVar("TSUKIMI_KV_CODEC", "none", "KV block storage: none (raw), fp16, int8, kivi-4/3/2, kvquant-4/3/2"),
         EnvVar("TSUKIMI_KV_CALIB", "", "calibration file of a kvquant codec (default: the one shipped for SmolLM2)"),
@@ -81,6 +88,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_KV_COMPRESS", "off", "LZ4 on prefill->decode KV chunks: on pays on links under ~40 MB/s"),
         EnvVar("TSUKIMI_POLICY", "conductor",
                "placement: random, round_robin, least_loaded, local_cache_aware or conductor"),
+        EnvVar("TSUKIMI_POLICY_SEED", "",
+               "seeds the random placement policies' choices, for runs that repeat (empty: a new seed each start)"),
         EnvVar("TSUKIMI_SLO_TTFT_MS", "10000", "time-to-first-token SLO; a request predicted to miss it gets 429"),
         EnvVar("TSUKIMI_SLO_TBT_MS", "500", "time-between-tokens SLO; decode predicted slower than this gets 429"),
         EnvVar("TSUKIMI_REJECTION", "predicted",

@@ -174,16 +174,18 @@ class ColocatedPolicy:
         return Placement(option, instance.instance_id, True, tbt)
 
 
-def make_policy(name: str, local_prefill_tokens: int, tbt_slo_s: float, colocated: bool = False) -> Policy:
-    """The policy `name`; with `colocated`, the routing of a deployment without a prefill pool.
+def make_policy(name: str, local_prefill_tokens: int, tbt_slo_s: float, colocated: bool = False,
+                seed: int | None = None) -> Policy:
+    """The policy `name`; with `colocated`, the routing of a deployment without a prefill pool; `seed` seeds the
+    random choices (None: a fresh seed).
 
     Raises:
         ValueError: an unknown name, or one a colocated deployment cannot use.
     """
     if colocated:
-        return ColocatedPolicy(name)
+        return ColocatedPolicy(name, seed)
     policies: dict[str, Policy] = {
-        "random": RandomPolicy(), "round_robin": RoundRobinPolicy(), "least_loaded": LeastLoadedPolicy(),
+        "random": RandomPolicy(seed), "round_robin": RoundRobinPolicy(), "least_loaded": LeastLoadedPolicy(),
         "local_cache_aware": LocalCacheAwarePolicy(),
         "conductor": ConductorPolicy(local_prefill_tokens, tbt_slo_s),
     }

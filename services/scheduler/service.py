@@ -62,7 +62,7 @@ class SchedulerService:
             self._assume_profile(settings.sim_profile)
         self.is_colocated = settings.deployment == "colocated"
         self.policy = policy or make_policy(settings.policy, settings.local_prefill_tokens, settings.slo_tbt_s,
-                                            self.is_colocated)
+                                            self.is_colocated, settings.policy_seed)
         self.slos = Slos(settings.slo_ttft_s, settings.slo_tbt_s, settings.rejection)
         self.tracked: dict[str, Tracked] = {}
         self.num_rejected: dict[str, int] = {}

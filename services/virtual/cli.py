@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--log-file", type=Path, metavar="F", help="every service's log lines (JSON), info and up")
     out.add_argument("--load-every-s", type=float, default=10.0, metavar="S",
                      help="sample the pools' load (the scheduler's view) every S virtual seconds (default 10)")
-    out.add_argument("--seed", type=int, default=0, help="seeds the trace blocks' tokens (default 0)")
+    out.add_argument("--seed", type=int, default=0,
+                     help="seeds the trace blocks' tokens and the random policies (default 0)")
     out.add_argument("--quiet", action="store_true", help="no progress line")
     out.add_argument("--progress-file", type=Path, metavar="F",
                      help="keep the progress figures in F as JSON, rewritten every second (for a caller's own bar)")
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no requests in {args.trace} from {args.start_s} s on")
     if args.colocated:  # as `tsukimi up --colocated`: the conductor needs a prefill pool
         env.setdefault("TSUKIMI_POLICY", "least_loaded")
+    env.setdefault("TSUKIMI_POLICY_SEED", str(args.seed))  # a random policy's run repeats too
     engines = args.colocated or args.prefill + args.decode
     spec = ClusterSpec(
         prefill=0 if args.colocated else args.prefill, decode=args.colocated or args.decode,

@@ -104,7 +104,8 @@ def _engine(get: Reader) -> EngineConfig:
         return EngineConfig(
             device=get.text("TSUKIMI_DEVICE"), dtype=get.text("TSUKIMI_DTYPE"), kernels=get.text("TSUKIMI_KERNELS"),
             num_threads=get.integer("TSUKIMI_NUM_THREADS", minimum=0),
-            kv_cache_bytes=get.integer("TSUKIMI_KV_CACHE_MB", minimum=1) << 20,
+            kv_cache_bytes=get.integer_or_auto("TSUKIMI_KV_CACHE_MB", minimum=1) << 20,
+            kv_memory_fraction=get.number("TSUKIMI_KV_MEMORY_FRACTION", minimum=0.0),
             block_size=get.integer("TSUKIMI_BLOCK_SIZE", minimum=1),
             max_num_seqs=get.integer("TSUKIMI_MAX_NUM_SEQS", minimum=1),
             max_num_batched_tokens=get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1),
@@ -147,6 +148,7 @@ def _scheduler(get: Reader, role: str) -> Fields:
         rejection=get.choice("TSUKIMI_REJECTION", REJECTION_MODES),
         cache_balance_ratio=get.number("TSUKIMI_CACHE_BALANCE_RATIO", minimum=1.0),
         local_prefill_tokens=get.integer("TSUKIMI_LOCAL_PREFILL_TOKENS", minimum=0),
+        policy_seed=get.integer("TSUKIMI_POLICY_SEED", minimum=0) if get.text("TSUKIMI_POLICY_SEED") else None,
     )
 
 

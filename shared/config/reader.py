@@ -95,6 +95,16 @@ class Reader:
             raise ConfigError(f"{name} must be at least {minimum}, got {value}")
         return value
 
+    def integer_or_auto(self, name: str, minimum: int) -> int:
+        """An integer of at least `minimum`, or "auto" as 0."""
+        raw = self.text(name)
+        if raw.lower() == "auto":
+            return 0
+        try:
+            return self.integer(name, minimum)
+        except ConfigError:
+            raise ConfigError(f"{name} must be auto or an integer of at least {minimum}, got {raw!r}") from None
+
     def number(self, name: str, minimum: float) -> float:
         raw = self.text(name)
         try:

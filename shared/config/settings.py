@@ -58,6 +58,7 @@ class SchedulerSettings(ServiceSettings):
     rejection: str
     cache_balance_ratio: float
     local_prefill_tokens: int
+    policy_seed: int | None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared.env_vars import default, default_int
+from shared.env_vars import default, default_float, default_int
 from shared.fastgen.policies import FastGenSettings
 from shared.kvcompress import CODEC_NAMES, KvCalibrationError
 from shared.kvcompress.bundled import calibration_digest, resolve_calibration
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("fp32", "bf16", "fp16")  # torch.float32, torch.bfloat16, torch.float16 (`torch_dtype`)
 KV_POLICIES = ("full", "fastgen")
+AUTO_KV_CACHE_BYTES = 0  # kv_cache_bytes: size the pool from the memory available (TSUKIMI_KV_CACHE_MB=auto)
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # instructions that compute bf16 natively (oneDNN's fast paths)
 
 
@@ -38,7 +39,9 @@ class EngineConfig:
         device: "cpu", "cuda", "cuda:1", or "auto" (CUDA when present).
         dtype: "fp32", "bf16" or "fp16"; weights and KV cache use it, logits and norms compute in fp32.
         block_size: tokens per KV block (the unit of paging and prefix reuse).
-        kv_cache_bytes: bytes of the paged KV pool (all layers, K and V).
+        kv_cache_bytes: bytes of the paged KV pool (all layers, K and V); 0 sizes it from the memory available
+            (`kv_memory_fraction` of it; shared.engine.kv.sizing).
+        kv_memory_fraction: the share of the available memory an auto-sized pool takes.
         max_num_seqs: most sequences in the running batch.
         max_num_batched_tokens: tokens per forward step (decode tokens plus prefill chunks): the chunk size.
         kernels: "auto", "torch" or "triton" (see kernels.backend).
@@ -58,7 +61,8 @@ class EngineConfig:
     device: str = default("TSUKIMI_DEVICE")
     dtype: str = default("TSUKIMI_DTYPE")
     block_size: int = default_int("TSUKIMI_BLOCK_SIZE")
-    kv_cache_bytes: int = default_int("TSUKIMI_KV_CACHE_MB") << 20
+    kv_cache_bytes: int = AUTO_KV_CACHE_BYTES
+    kv_memory_fraction: float = default_float("TSUKIMI_KV_MEMORY_FRACTION")
     max_num_seqs: int = default_int("TSUKIMI_MAX_NUM_SEQS")
     max_num_batched_tokens: int = default_int("TSUKIMI_MAX_BATCHED_TOKENS")
     kernels: str = default("TSUKIMI_KERNELS")
@@ -83,8 +87,10 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_cache_bytes <= 0:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and kv_cache_bytes must be positive")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_cache_bytes < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive, kv_cache_bytes not negative")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
     @cached_property
     def kv_calibration_path(self) -> str | None:

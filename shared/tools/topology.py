@@ -81,6 +81,7 @@ class Topology:
         model: TSUKIMI_MODEL for every service (None: the default model).
         cache_ssd_dir: the cache-store SSD tier folder; with several shards each gets `shard-<i>` inside it.
         engine_threads: TSUKIMI_NUM_THREADS of each prefill and decode instance (0: not set).
+        kv_memory_fraction: TSUKIMI_KV_MEMORY_FRACTION of each prefill and decode instance (0: not set).
         extra_env: more TSUKIMI_* settings for every instance (the scheduler's policy and SLOs from flags).
         nats_password_files: (role, path) of the file holding each role's NATS password (`tsukimi up`'s own; none:
             the services connect as the environment says).
@@ -98,6 +99,7 @@ class Topology:
     model: str | None = None
     cache_ssd_dir: str | None = None
     engine_threads: int = 0
+    kv_memory_fraction: float = 0.0
     extra_env: tuple[tuple[str, str], ...] = ()
     nats_password_files: tuple[tuple[str, str], ...] = ()
     block_key_file: str = ""
@@ -129,6 +131,8 @@ class Topology:
             env |= {"TSUKIMI_HOST": self.host, "TSUKIMI_PORT": str(self.port)}
         if service.uses_engine and self.engine_threads > 0:
             env["TSUKIMI_NUM_THREADS"] = str(self.engine_threads)
+        if service.uses_engine and self.kv_memory_fraction > 0:
+            env["TSUKIMI_KV_MEMORY_FRACTION"] = f"{self.kv_memory_fraction:.4g}"
         password_file = dict(self.nats_password_files).get(service.name)
         if password_file:  # this role's user and file, whatever the shell's TSUKIMI_NATS_* say
             env |= {"TSUKIMI_NATS_USER": service.name, "TSUKIMI_NATS_PASSWORD": "",

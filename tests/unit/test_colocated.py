@@ -75,6 +75,18 @@ def test_random_routing_stays_on_the_instances_and_repeats_with_a_seed() -> None
     assert set(draws(3)) == {"d0", "d1", "d2"}
 
 
+def test_the_policy_seed_setting_reaches_the_random_choices() -> None:
+    settings = load_settings("scheduler", {"TSUKIMI_POLICY_SEED": "3"})
+    assert settings.policy_seed == 3 and load_settings("scheduler", {}).policy_seed is None
+    cluster = view(beat("d0"), beat("d1"), beat("d2"))
+
+    def draws() -> list[str]:
+        policy = make_policy("random", 0, 0.1, colocated=True, seed=settings.policy_seed)
+        return [policy.place(submit(f"r{i}"), cluster).decode_id for i in range(60)]
+
+    assert draws() == draws()
+
+
 def test_a_route_that_needs_a_prefill_pool_is_refused() -> None:
     for name in ("conductor", "local_cache_aware"):
         with pytest.raises(ValueError, match="colocated deployment routes with"):

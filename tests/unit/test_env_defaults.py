@@ -7,9 +7,9 @@ import argparse
 from dataclasses import replace
 
 from shared.config import load_settings
-from shared.engine.config import EngineConfig
+from shared.engine.config import AUTO_KV_CACHE_BYTES, EngineConfig
 from shared.engine.kv.fastgen.kv import DEFAULT_PROFILE_ROWS
-from shared.env_vars import ENV_VARS, default_int
+from shared.env_vars import ENV_VARS, default, default_int
 from shared.fastgen.policies import FastGenSettings
 from shared.tools.cli.common import add_engine_args, engine_config_from_args
 
@@ -29,7 +29,8 @@ def test_the_clis_engine_flags_default_to_the_same_engine() -> None:
 
 def test_defaults_are_the_tables() -> None:
     config = EngineConfig()
-    assert config.kv_cache_bytes == default_int("TSUKIMI_KV_CACHE_MB") << 20
+    assert default("TSUKIMI_KV_CACHE_MB") == "auto" and config.kv_cache_bytes == AUTO_KV_CACHE_BYTES
+    assert config.kv_memory_fraction == float(default("TSUKIMI_KV_MEMORY_FRACTION"))
     assert config.block_size == default_int("TSUKIMI_BLOCK_SIZE")
     assert config.max_num_batched_tokens == default_int("TSUKIMI_MAX_BATCHED_TOKENS")
     assert DEFAULT_PROFILE_ROWS == default_int("TSUKIMI_FASTGEN_PROFILE_ROWS")

@@ -181,11 +181,16 @@ def test_up_specs_have_unique_ids_and_one_shard_index_each() -> None:
 
 
 def test_up_specs_split_the_ssd_dir_and_cpu_threads() -> None:
-    specs = Topology(cache_stores=2, cache_ssd_dir="/ssd", engine_threads=3, model="/m.gguf").process_specs()
+    specs = Topology(cache_stores=2, cache_ssd_dir="/ssd", engine_threads=3, kv_memory_fraction=0.25,
+                     model="/m.gguf").process_specs()
     ssd = {spec.name: spec.env.get("TSUKIMI_CACHE_SSD_DIR") for spec in specs if spec.name.startswith("cache-store")}
     assert ssd == {"cache-store-0": "/ssd/shard-0", "cache-store-1": "/ssd/shard-1"}
     threads = {spec.name: spec.env.get("TSUKIMI_NUM_THREADS") for spec in specs}
     assert threads["prefill-0"] == threads["decode-0"] == "3" and threads["gateway-0"] is None
+    kv = {spec.name: spec.env.get("TSUKIMI_KV_MEMORY_FRACTION") for spec in specs}
+    assert kv["prefill-0"] == kv["decode-0"] == "0.25" and kv["cache-store-0"] is None
+    plain = {spec.name: spec.env for spec in Topology().process_specs()}
+    assert "TSUKIMI_KV_MEMORY_FRACTION" not in plain["decode-0"]  # 0: the instance's own default
     assert all(spec.env["TSUKIMI_MODEL"] == "/m.gguf" for spec in specs)
     assert Topology(cache_ssd_dir="/ssd").process_specs()[-1].env["TSUKIMI_CACHE_SSD_DIR"] == "/ssd"
 

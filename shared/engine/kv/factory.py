@@ -14,18 +14,23 @@ from shared.engine.kv.fastgen.kv import FastGenKv
 from shared.engine.kv.fastgen.store import FastGenKvStore
 from shared.engine.kv.paged.pool import KVPool
 from shared.engine.kv.paged.store import PagedKvStore
+from shared.engine.kv.sizing import pool_size
 from shared.engine.kv.store import KvStore
 from shared.fastgen.token_classes import TokenClasses
 from shared.kvcompress import layer_codecs, load_calibration
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import RotaryEmbedding
+from shared.wire.log import get_logger
+
+log = get_logger(__name__)
 
 
 def build_kv_store(
     checkpoint: Checkpoint, config: EngineConfig, rotary: RotaryEmbedding, backend: KernelBackend,
     on_block_event: BlockEventHook | None = None,
 ) -> KvStore:
-    """The store `config.kv_cache_bytes` pays for, on `config`'s device and dtype.
+    """The store `config.kv_cache_bytes` pays for (or, at 0, what `sizing.pool_size` finds room for), on `config`'s
+    device and dtype.
 
     Args:
         rotary: the model's RoPE tables.
@@ -36,16 +41,22 @@ def build_kv_store(
     """
     model, device, dtype = checkpoint.config, config.torch_device, config.torch_dtype
     scale = model.head_dim**-0.5
+    size = pool_size(config.kv_cache_bytes, config.kv_memory_fraction, KVPool.bytes_per_block(model, 1, dtype),
+                     config.max_num_seqs * model.max_position, device)
+    pool_bytes = size.num_bytes
 
     def blocks(num_blocks: int) -> BlockManager:
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks; need at least 2")
+            raise ValueError(f"a KV pool of {pool_bytes >> 20} MiB holds {num_blocks} blocks; need at least 2")
         namespace = make_namespace(checkpoint.fingerprint, config.kv_format)
+        log.info("KV pool", mib=pool_bytes >> 20, blocks=num_blocks, tokens=num_blocks * config.block_size,
+                 sized_by=size.how, available_mib=None if size.available_bytes is None else size.available_bytes >> 20,
+                 kv_format=config.kv_format)
         return BlockManager(num_blocks, config.block_size, namespace, on_block_event)
 
     store: KvStore
     if config.kv_codec == "none":
-        num_blocks = config.kv_cache_bytes // KVPool.bytes_per_block(model, config.block_size, dtype)
+        num_blocks = pool_bytes // KVPool.bytes_per_block(model, config.block_size, dtype)
         manager = blocks(num_blocks)
         paged = KVPool(model, num_blocks, config.block_size, dtype, device)
         store = PagedKvStore(paged, manager, config.kv_format, scale, backend, config.max_num_seqs)
@@ -62,8 +73,8 @@ def build_kv_store(
         # Every running sequence holds one full-precision tail; tails take at most a quarter of the budget, and the
         # batch is capped at the number of tails.
         per_tail = CodecKvPool.bytes_per_tail(model, config.block_size, dtype)
-        tails = min(config.max_num_seqs, max(1, config.kv_cache_bytes // 4 // per_tail))
-        budget = config.kv_cache_bytes - tails * per_tail
+        tails = min(config.max_num_seqs, max(1, pool_bytes // 4 // per_tail))
+        budget = pool_bytes - tails * per_tail
         num_blocks = max(0, budget) // CodecKvPool.bytes_per_block(codecs[0], model, config.block_size)
         manager = blocks(num_blocks)
         coded = CodecKvPool(model, codecs, num_blocks, config.block_size, tails, dtype, device)

@@ -25,6 +25,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def mib_or_auto(text: str) -> int:
+    """A positive number of MiB, or "auto" as 0."""
+    return 0 if text.strip().lower() == "auto" else positive_int(text)
+
+
 def threads_arg(text: str) -> int:
     """--threads: 0 (torch's choice) or more."""
     value = int(text)
@@ -87,8 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     group.add_argument(
-        "--kv-cache-mb", type=positive_int, default=default_int("TSUKIMI_KV_CACHE_MB"),
-        help="size of the paged KV pool in MiB (default: %(default)s)",
+        "--kv-cache-mb", type=mib_or_auto, default=0, metavar="MIB|auto",
+        help="size of the paged KV pool in MiB (default: auto, a quarter of the memory available after the weights, "
+        "no more than the batch can fill)",
     )
     group.add_argument(
         "--block-size", type=positive_int, default=default_int("TSUKIMI_BLOCK_SIZE"),

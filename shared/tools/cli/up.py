@@ -47,7 +47,8 @@ the terminal shows only what needs attention. A process that exits is restarted 
 
 Every process gets TSUKIMI_NATS_URL, TSUKIMI_CACHE_SHARDS and its own TSUKIMI_INSTANCE_ID (gateway-0, prefill-1,
 ...); the gateway gets TSUKIMI_HOST and TSUKIMI_PORT, cache-store i gets TSUKIMI_CACHE_SHARD=i, prefill and decode
-share the CPU cores (TSUKIMI_NUM_THREADS) unless it is set; with several shards a TSUKIMI_CACHE_SSD_DIR becomes one
+share the CPU cores (TSUKIMI_NUM_THREADS) and half the memory available for their KV pools
+(TSUKIMI_KV_MEMORY_FRACTION) unless they are set; with several shards a TSUKIMI_CACHE_SSD_DIR becomes one
 shard-<i> folder each. Every other TSUKIMI_* variable of this shell is passed through (an unknown one is an error).
 The same topology in containers: `tsukimi compose`.
 
@@ -59,6 +60,7 @@ to 256 sequences a batch and 1 TiB of cache-store DRAM a shard. `--colocated N` 
 
 Exit status: 0 after Ctrl-C or SIGTERM, 1 when the system did not come up in time, 2 for a bad argument or setting.
 """
+KV_MEMORY_SHARED = 0.5  # the share of available memory the engines' auto-sized KV pools take together
 STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
 STOP_NATS_S = 1.5
 
@@ -270,12 +272,13 @@ def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
         model = str(path.resolve())
     num_engines = prefill + decode
     threads = 0 if settings.engine.num_threads else max(1, (os.cpu_count() or 1) // num_engines)
+    kv_share = 0.0 if "TSUKIMI_KV_MEMORY_FRACTION" in os.environ else KV_MEMORY_SHARED / num_engines
     try:
         return Topology(
             prefill=prefill, decode=decode, cache_stores=args.cache_stores, colocated=bool(args.colocated),
             host=args.host or settings.host, port=settings.port if args.port is None else args.port,
             nats_url=args.nats_url or settings.nats_url, model=model, cache_ssd_dir=settings.cache_ssd_dir,
-            engine_threads=threads,
+            engine_threads=threads, kv_memory_fraction=kv_share,
         )
     except TopologyError as exc:
         raise CliError(str(exc)) from None

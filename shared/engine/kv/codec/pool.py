@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from shared.engine.kv.sizing import lazy_zeros
 from shared.kvcompress import KvCodec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
@@ -44,8 +45,8 @@ class CodecKvPool:
         self.block_bytes = codecs[0].num_bytes(*shape)
         self.sink_bytes = codecs[0].num_bytes(*shape, starts_sequence=True) - self.block_bytes
         self.keys_before_rope = codecs[0].keys_before_rope
-        self.packed = torch.zeros(config.num_layers, num_blocks, self.block_bytes, dtype=torch.uint8, device=device)
-        self.sinks = torch.zeros(config.num_layers, num_blocks, self.sink_bytes, dtype=torch.uint8, device=device)
+        self.packed = lazy_zeros((config.num_layers, num_blocks, self.block_bytes), torch.uint8, device)
+        self.sinks = lazy_zeros((config.num_layers, num_blocks, self.sink_bytes), torch.uint8, device)
         # [layers, 2, tails, kv_heads, block_size, head_dim]; keys as the codec takes them (before RoPE for KVQuant)
         self.tails = torch.zeros(config.num_layers, 2, num_tails, *shape, dtype=dtype, device=device)
         self._tail_of: dict[Hashable, int] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.kv.sizing import lazy_zeros
 from shared.model.config import LlamaConfig
 
 
@@ -21,7 +22,7 @@ class KVPool:
         self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         shape = (config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = lazy_zeros(shape, dtype, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._block_elements = config.num_kv_heads * block_size * config.head_dim
