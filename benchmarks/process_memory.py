@@ -27,11 +27,13 @@ COUNTS = ["--prefill", "2", "--decode", "2", "--cache-stores", "2"]
 SETTLE_S = 5.0
 
 
-def measure(tree: Path, log_dir: Path) -> dict[str, float]:
-    """instance id -> RSS in MB, for a fresh system run from `tree`."""
+def measure(tree: Path, log_dir: Path, kv_cache_mb: str) -> dict[str, float]:
+    """instance id -> RSS in MB, for a fresh system run from `tree` (`kv_cache_mb` "": each tree's default)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TSUKIMI_")}
-    env |= {"PYTHONPATH": str(tree), "TSUKIMI_NUM_THREADS": "1", "TSUKIMI_KV_CACHE_MB": "256"}
+    env |= {"PYTHONPATH": str(tree), "TSUKIMI_NUM_THREADS": "1"}
+    if kv_cache_mb:
+        env["TSUKIMI_KV_CACHE_MB"] = kv_cache_mb
     cmd = [sys.executable, "-m", "shared", "up", *COUNTS, "--port", str(port), "--log-dir", str(log_dir)]
     process = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -91,10 +93,12 @@ def _rss_mb(pid: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, metavar="DIR", help="another checkout to measure first")
+    parser.add_argument("--kv-cache-mb", default="256", metavar="MIB",
+                        help="TSUKIMI_KV_CACHE_MB of every engine (default 256; \"\": each tree's own default)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tsukimi-memory-") as tmp:
-        before = measure(args.baseline.resolve(), Path(tmp) / "baseline") if args.baseline else {}
-        after = measure(ROOT, Path(tmp) / "this")
+        before = measure(args.baseline.resolve(), Path(tmp) / "baseline", args.kv_cache_mb) if args.baseline else {}
+        after = measure(ROOT, Path(tmp) / "this", args.kv_cache_mb)
     print(f"{'process':<16}{'baseline MB':>12}{'this tree MB':>14}{'ratio':>8}")
     for name in sorted(set(before) | set(after)):
         old, new = before.get(name), after.get(name)
