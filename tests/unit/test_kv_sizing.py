@@ -27,15 +27,26 @@ def fake_host(tmp_path: Path, available_kb: int, cgroup: dict[str, str] | None =
 
 
 def test_available_memory_is_the_least_of_the_host_and_its_cgroup(tmp_path: Path) -> None:
+    none = tmp_path / "no-self-cgroup"
     meminfo, root = fake_host(tmp_path / "a", 8 << 20)  # 8 GiB, no cgroup files
-    assert host_available_bytes(meminfo, root) == 8 * GIB
+    assert host_available_bytes(meminfo, root, none) == 8 * GIB
     meminfo, root = fake_host(tmp_path / "b", 8 << 20, {"memory.max": str(3 * GIB), "memory.current": str(GIB)})
-    assert host_available_bytes(meminfo, root) == 2 * GIB  # a container of 3 GiB using 1
+    assert host_available_bytes(meminfo, root, none) == 2 * GIB  # a container of 3 GiB using 1
     meminfo, root = fake_host(tmp_path / "c", 8 << 20, {"memory.max": "max", "memory.current": str(GIB)})
-    assert host_available_bytes(meminfo, root) == 8 * GIB
+    assert host_available_bytes(meminfo, root, none) == 8 * GIB
     meminfo, root = fake_host(tmp_path / "d", 8 << 20, {"memory/memory.limit_in_bytes": str(4 * GIB),
                                                         "memory/memory.usage_in_bytes": str(3 * GIB)})
-    assert host_available_bytes(meminfo, root) == GIB  # cgroup v1
+    assert host_available_bytes(meminfo, root, none) == GIB  # cgroup v1
+    meminfo, root = fake_host(tmp_path / "e", 8 << 20, {"app.slice/memory.max": str(5 * GIB),
+                                                        "app.slice/memory.current": str(GIB)})
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/app.slice\n")
+    assert host_available_bytes(meminfo, root, own) == 4 * GIB  # this process's own cgroup, as it names it
+    meminfo, root = fake_host(tmp_path / "f", 8 << 20, {"memory/box/memory.limit_in_bytes": str(6 * GIB),
+                                                        "memory/box/memory.usage_in_bytes": str(3 * GIB)})
+    own.write_text("4:memory:/box\n0::/\n")
+    assert host_available_bytes(meminfo, root, own) == 3 * GIB  # v1's memory controller, hybrid layout
+    assert host_available_bytes(tmp_path / "no-meminfo", root, none) > 0  # half the physical memory
 
 
 def test_a_set_size_wins_and_auto_takes_its_share_up_to_what_the_batch_fills(monkeypatch: pytest.MonkeyPatch) -> None:

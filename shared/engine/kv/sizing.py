@@ -9,6 +9,7 @@ blocks are first written, and an idle engine stays small.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 MIN_AUTO_BYTES = 64 << 20  # auto never sizes a pool below this, however little the host reports free
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
+_SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 @dataclass(frozen=True)
@@ -42,28 +44,46 @@ def pool_size(set_bytes: int, memory_fraction: float, bytes_per_token: int, max_
     return PoolSize(max(share, MIN_AUTO_BYTES), "memory", available)
 
 
-def host_available_bytes(meminfo: Path = _MEMINFO, cgroup: Path = _CGROUP) -> int:
-    """Memory this process could still take: the kernel's MemAvailable, or less where a cgroup (a container's memory
-    limit, v2 or v1) leaves less room under its limit."""
+def host_available_bytes(meminfo: Path = _MEMINFO, cgroup: Path = _CGROUP, self_cgroup: Path = _SELF_CGROUP) -> int:
+    """Memory this process could still take: the kernel's MemAvailable (half the physical memory where there is no
+    /proc/meminfo), or less where its memory cgroup (a container's limit, v2 or v1) leaves less room."""
     available = _meminfo_available(meminfo)
-    limit_room = _cgroup_room(cgroup)
+    limit_room = _cgroup_room(cgroup, self_cgroup)
     return available if limit_room is None else min(available, limit_room)
 
 
 def _meminfo_available(meminfo: Path) -> int:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) << 10  # kB
-    raise OSError(f"no MemAvailable in {meminfo}")
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10  # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
-def _cgroup_room(root: Path) -> int | None:
-    """Limit minus usage of this process's memory cgroup, or None where there is no limit."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+def _cgroup_room(root: Path, self_cgroup: Path) -> int | None:
+    """Limit minus usage of this process's memory cgroup (its own folder, as /proc/self/cgroup names it, else the
+    mount's root: a container's own), or None where there is no limit."""
+    v2, v1 = "", ""
+    try:
+        for line in self_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if not controllers:
+                v2 = path.strip("/")
+            elif "memory" in controllers.split(","):
+                v1 = path.strip("/")
+    except (OSError, ValueError):
+        pass
+    candidates = [(root / v2, "memory.max", "memory.current"),
+                  (root / "memory" / v1, "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    if v2 or v1:  # also the mount's root: inside a container, its own cgroup
+        candidates += [(root, "memory.max", "memory.current"),
+                       (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    for folder, limit_file, usage_file in candidates:
         try:
-            raw_limit = (root / limit_file).read_text().strip()
-            usage = int((root / usage_file).read_text().strip())
+            raw_limit = (folder / limit_file).read_text().strip()
+            usage = int((folder / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
         if raw_limit == "max" or int(raw_limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
