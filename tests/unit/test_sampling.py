@@ -64,3 +64,9 @@ def test_a_seeded_draw_depends_on_its_position_alone() -> None:
         busy.sample(logits, [other], [i])
     assert [Sampler().sample(logits, [params], [i])[0] for i in range(6)] == history
     assert len({draw_seed(7, i) for i in range(1000)} | {draw_seed(8, i) for i in range(1000)}) == 2000
+
+
+def test_greedy_rows_take_the_first_of_tied_maxima() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0], [5.0, -1.0, 2.0, 5.0]])
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert Sampler().sample(logits, [greedy] * 3, [0, 0, 0]) == [1, 0, 0]
