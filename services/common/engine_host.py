@@ -113,4 +113,9 @@ async def load_engine(
                  sized_kv_codec=settings.sim_kv_codec,
                  kv_blocks=engine.block_manager.num_blocks, block_size=settings.engine.block_size)
         return engine
-    return await asyncio.to_thread(LLMEngine.from_path, settings.model_path, config, on_block_event)
+    engine = await asyncio.to_thread(LLMEngine.from_path, settings.model_path, config, on_block_event)
+    blocks = engine.block_manager.num_blocks
+    log.info("KV pool", mib=engine.runner.store.num_bytes >> 20, blocks=blocks, tokens=blocks * config.block_size,
+             sized_by="TSUKIMI_KV_CACHE_MB" if config.kv_cache_bytes else "available memory (TSUKIMI_KV_CACHE_MB=auto)",
+             memory_fraction=None if config.kv_cache_bytes else config.kv_memory_fraction, kv_format=config.kv_format)
+    return engine

@@ -51,13 +51,11 @@ def test_available_memory_is_the_least_of_the_host_and_its_cgroup(tmp_path: Path
 
 def test_a_set_size_wins_and_auto_takes_its_share_up_to_what_the_batch_fills(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("shared.engine.kv.sizing.host_available_bytes", lambda: 16 * GIB)
-    assert pool_size(512 << 20, 0.25, 1000, 10**9, CPU).num_bytes == 512 << 20
-    memory = pool_size(0, 0.25, 1000, 10**9, CPU)
-    assert (memory.num_bytes, memory.how, memory.available_bytes) == (4 * GIB, "memory", 16 * GIB)
-    batch = pool_size(0, 0.25, 1000, 1_000_000, CPU)  # 64 sequences could never fill more than 1M tokens
-    assert (batch.num_bytes, batch.how) == (1_000_000_000, "batch")
+    assert pool_size(512 << 20, 0.25, 1000, 10**9, CPU) == 512 << 20
+    assert pool_size(0, 0.25, 1000, 10**9, CPU) == 4 * GIB  # a quarter of what is available
+    assert pool_size(0, 0.25, 1000, 1_000_000, CPU) == 1_000_000_000  # no more than the batch could ever fill
     monkeypatch.setattr("shared.engine.kv.sizing.host_available_bytes", lambda: 10 << 20)
-    assert pool_size(0, 0.25, 1000, 10**9, CPU).num_bytes == MIN_AUTO_BYTES
+    assert pool_size(0, 0.25, 1000, 10**9, CPU) == MIN_AUTO_BYTES
 
 
 def test_the_setting_reads_auto_or_mib() -> None:

@@ -20,9 +20,6 @@ from shared.fastgen.token_classes import TokenClasses
 from shared.kvcompress import layer_codecs, load_calibration
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import RotaryEmbedding
-from shared.wire.log import get_logger
-
-log = get_logger(__name__)
 
 
 def build_kv_store(
@@ -41,17 +38,13 @@ def build_kv_store(
     """
     model, device, dtype = checkpoint.config, config.torch_device, config.torch_dtype
     scale = model.head_dim**-0.5
-    size = pool_size(config.kv_cache_bytes, config.kv_memory_fraction, KVPool.bytes_per_block(model, 1, dtype),
-                     config.max_num_seqs * model.max_position, device)
-    pool_bytes = size.num_bytes
+    pool_bytes = pool_size(config.kv_cache_bytes, config.kv_memory_fraction, KVPool.bytes_per_block(model, 1, dtype),
+                           config.max_num_seqs * model.max_position, device)
 
     def blocks(num_blocks: int) -> BlockManager:
         if num_blocks < 2:
             raise ValueError(f"a KV pool of {pool_bytes >> 20} MiB holds {num_blocks} blocks; need at least 2")
         namespace = make_namespace(checkpoint.fingerprint, config.kv_format)
-        log.info("KV pool", mib=pool_bytes >> 20, blocks=num_blocks, tokens=num_blocks * config.block_size,
-                 sized_by=size.how, available_mib=None if size.available_bytes is None else size.available_bytes >> 20,
-                 kv_format=config.kv_format)
         return BlockManager(num_blocks, config.block_size, namespace, on_block_event)
 
     store: KvStore

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,27 +20,14 @@ _CGROUP = Path("/sys/fs/cgroup")
 _SELF_CGROUP = Path("/proc/self/cgroup")
 
 
-@dataclass(frozen=True)
-class PoolSize:
-    """The pool's bytes and where they came from (for the engine's start-up log)."""
-
-    num_bytes: int
-    how: str  # "set" (TSUKIMI_KV_CACHE_MB), "memory" (a share of what is available) or "batch" (all it can fill)
-    available_bytes: int | None = None  # what the host or container had available, when auto looked
-
-
 def pool_size(set_bytes: int, memory_fraction: float, bytes_per_token: int, max_tokens: int,
-              device: torch.device) -> PoolSize:
+              device: torch.device) -> int:
     """`set_bytes` when given (> 0); else `memory_fraction` of the memory available to this process now, capped at
     `max_tokens` tokens of `bytes_per_token` (the most the running batch can hold) and at least `MIN_AUTO_BYTES`."""
     if set_bytes > 0:
-        return PoolSize(set_bytes, "set")
+        return set_bytes
     available = _cuda_free_bytes(device) if device.type == "cuda" else host_available_bytes()
-    share = int(available * memory_fraction)
-    fill = max_tokens * bytes_per_token
-    if fill <= share:
-        return PoolSize(max(fill, MIN_AUTO_BYTES), "batch", available)
-    return PoolSize(max(share, MIN_AUTO_BYTES), "memory", available)
+    return max(MIN_AUTO_BYTES, min(int(available * memory_fraction), max_tokens * bytes_per_token))
 
 
 def host_available_bytes(meminfo: Path = _MEMINFO, cgroup: Path = _CGROUP, self_cgroup: Path = _SELF_CGROUP) -> int:
