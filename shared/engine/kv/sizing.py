@@ -8,6 +8,7 @@ blocks are first written, and an idle engine stays small.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from pathlib import Path
@@ -88,10 +89,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     written, so its resident memory grows with use rather than with its size."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, num_bytes)  # anonymous, private: zero-filled on first touch

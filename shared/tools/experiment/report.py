@@ -8,7 +8,7 @@ from pathlib import Path
 from loadgen.metrics import Slo, Summary
 from shared.tools.experiment.capacity import THRESHOLD
 from shared.tools.experiment.mooncake import RunOutcome
-from shared.tools.experiment.paper import CONVERSATION, paper_figures
+from shared.tools.experiment.paper import CONVERSATION
 from shared.tools.experiment.plan import BASELINE, TSUKIMI
 from shared.tools.experiment.results import Results
 
@@ -66,7 +66,7 @@ def _intro(results: Results, command: str, took_s: float) -> list[str]:
 
 
 def _capacity_section(results: Results, figures: dict[str, str]) -> list[str]:
-    paper = paper_figures(results.config.trace)
+    paper = results.paper
     lines = ["## Effective request capacity", "",
              "The share of requests meeting both SLOs (rejected and failed count as missing them) at each load; the "
              "capacity is the load at which it falls to 90%, interpolated between the swept loads (`>=`: never fell; "
@@ -98,7 +98,7 @@ def _first_points(results: Results) -> list[tuple[float, float]]:
 
 
 def _policy_section(results: Results, figures: dict[str, str]) -> list[str]:
-    paper = paper_figures(results.config.trace)
+    paper = results.paper
     lines = ["## Average TTFT by placement policy", "",
              f"tsukimi at time scale {results.config.policy_time_scale:g}, one fresh system per policy.", "",
              "| policy | average TTFT (s) | cache hit rate | paper (s) |", "|---|---|---|---|"]
@@ -112,7 +112,7 @@ def _policy_section(results: Results, figures: dict[str, str]) -> list[str]:
 
 def _studies_section(results: Results, figures: dict[str, str]) -> list[str]:
     """The studies beyond the main sweep (studies.py), each beside the paper's figure where it has one."""
-    st, lines, paper = results.studies, [], paper_figures(results.config.trace)
+    st, lines, paper = results.studies, [], results.paper
     loosest = f"{max(results.config.tbt_slos_ms):g}"  # the tables count requests meeting the loosest TBT SLO
     if "effective_capacity_ratio_by_baseline" in st:
         keys = [f"{t:g}" for t in results.config.tbt_slos_ms]
@@ -192,7 +192,7 @@ def _notes(results: Results) -> list[str]:
                 "- The trace is scaled down (shorter prompts and answers) and its first requests share few prefixes.",
                 ""]
     if results.config.clock == "virtual":
-        paper = paper_figures(results.config.trace)
+        paper = results.paper
         if paper is not CONVERSATION:
             scale = (f"- The paper reported only its effective request capacity on its {paper.trace} trace "
                      f"({paper.capacity_source}); the other tables have no paper figure beside them." if paper.trace
@@ -258,7 +258,7 @@ def _plot_ttft_by_policy(results: Results, path: Path) -> str:
     xs = range(len(policies))
     label = "tsukimi (simulated)" if results.config.engine == "sim" else "tsukimi (real model, CPU)"
     ax.bar([x - 0.2 for x in xs], [results.avg_ttft_s[p] or 0.0 for p in policies], 0.4, label=label)
-    paper = paper_figures(results.config.trace).avg_ttft_s
+    paper = results.paper.avg_ttft_s
     if paper:
         ax.bar([x + 0.2 for x in xs], [paper.get(p, 0.0) for p in policies], 0.4, label="paper")
     ax.set_xticks(list(xs), policies)

@@ -10,7 +10,7 @@ from typing import Any
 from loadgen.metrics import Summary, ttft_s
 from shared.tools.experiment.capacity import Capacity, Ratio, capacity, capacity_ratio
 from shared.tools.experiment.mooncake import ExperimentConfig, RunOutcome
-from shared.tools.experiment.paper import paper_figures
+from shared.tools.experiment.paper import PaperFigures, paper_figures
 from shared.tools.experiment.plan import BASELINE, TSUKIMI
 from shared.tools.experiment.studies import study_figures
 
@@ -27,6 +27,10 @@ class Results:
     avg_ttft_s: dict[str, float | None] = field(default_factory=dict)  # policy -> seconds
     cache_hit_rates: dict[str, float | None] = field(default_factory=dict)  # run label -> share
     studies: dict[str, Any] = field(default_factory=dict)  # the studies' JSON keys (studies.study_figures)
+    paper: PaperFigures = field(init=False)  # the paper's figures for this trace
+
+    def __post_init__(self) -> None:
+        self.paper = paper_figures(self.config.trace)
 
 
 def compute(config: ExperimentConfig, runs: list[RunOutcome]) -> Results:
@@ -79,7 +83,7 @@ def to_json(results: Results, wall_s: float | None = None) -> dict[str, Any]:
                                for s, by_slo in results.shares.items()},
         "cache_hit_rate": results.cache_hit_rates,
         **results.studies,
-        "paper": paper_figures(config.trace).json(),
+        "paper": results.paper.json(),
         "config": {k: (str(v) if k in ("trace", "log_dir") else v) for k, v in vars(config).items()},
         "runs": [_run_json(run, results) for run in results.runs],
     }
