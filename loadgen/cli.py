@@ -87,7 +87,8 @@ async def _run(
     client = ClientOptions(base_url, model, args.api, args.request_timeout_s, not args.no_ignore_eos, extra_body,
                            args.api_key)
     slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
-    options = RunOptions(client, args.concurrency, args.max_requests, args.duration_s, slo, not args.quiet)
+    options = RunOptions(client, args.concurrency, args.max_requests, args.duration_s, slo, not args.quiet,
+                         honor_retry_after=not args.ignore_retry_after)
     result = await run(requests, options)
     print(format_summary(result.summary, _header(args, base_url, model, len(requests))))
     return _write_outputs(args, options, result)

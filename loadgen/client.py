@@ -148,6 +148,7 @@ async def send_request(
             async with session.post(options.endpoint, json=body, headers=options.headers) as response:
                 record.status = response.status
                 if response.status != 200:
+                    record.retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
                     record.error = f"HTTP {response.status}: {_error_message(await response.read())}"
                 else:
                     await _read_stream(response, record, t0)
@@ -161,6 +162,13 @@ async def send_request(
     if record.send_s is None:  # failed before sending (a bad body): count it as sent and failed at once
         record.send_s = record.done_s
     return record
+
+
+def _retry_after_s(header: str | None) -> float | None:
+    """`Retry-After` in whole seconds (RFC 9110 also allows an HTTP date, which no LLM server sends: ignored)."""
+    if header is None or not header.strip().isdigit():
+        return None
+    return float(header.strip())
 
 
 async def _read_stream(response: aiohttp.ClientResponse, record: RequestRecord, t0: float) -> None:

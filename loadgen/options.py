@@ -173,6 +173,12 @@ def _add_run_options(group: argparse._ArgumentGroup) -> None:
         metavar="S",
         help="stop sending after S seconds, then wait for the requests in flight",
     )
+    group.add_argument(
+        "--ignore-retry-after",
+        action="store_true",
+        help="closed loop: send the next request at once after a refusal, instead of waiting the server's "
+        "Retry-After (at most 60 s) as a real client would",
+    )
     group.add_argument("--slo-ttft-ms", type=_positive_float, metavar="MS", help="TTFT objective")
     group.add_argument("--slo-tbt-ms", type=_positive_float, metavar="MS", help="TBT objective")
     group.add_argument("--json", metavar="OUT", help="write config, summary and every request's record to OUT")

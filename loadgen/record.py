@@ -24,6 +24,7 @@ class RequestRecord:
         num_prompt_tokens: `usage.prompt_tokens`, else the prompt's length when it was token ids.
         num_output_tokens: `usage.completion_tokens`, else the number of content chunks.
         num_cached_tokens: `usage.prompt_tokens_details.cached_tokens`, when the server reports it.
+        retry_after_s: the server's `Retry-After` on a refusal (429 or 503), in seconds (None: none given).
         input_len, output_len: what was asked for.
     """
 
@@ -39,6 +40,7 @@ class RequestRecord:
     num_prompt_tokens: int | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int | None = None
+    retry_after_s: float | None = None
 
     @property
     def is_rejected(self) -> bool:

@@ -18,6 +18,8 @@ from loadgen.progress import Progress
 from loadgen.record import RequestRecord
 from loadgen.workload import PlannedRequest
 
+MAX_RETRY_WAIT_S = 60.0  # a closed-loop worker waits at most this long on a `Retry-After`
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -33,6 +35,10 @@ class RunOptions:
         slo: the objectives of the summary.
         show_progress: draw the progress line on stderr.
         connection_limit: the session's limit on open connections.
+        honor_retry_after: in closed loop, a worker whose request was refused with a `Retry-After` waits that long
+            (at most `MAX_RETRY_WAIT_S`, never past the duration) before its next request, as a client told "busy,
+            come back in N s" does; without it a refusal frees the slot at once, and an overloaded server that
+            refuses in a millisecond is sent the whole remaining workload in a burst of refusals.
     """
 
     client: ClientOptions
@@ -42,6 +48,7 @@ class RunOptions:
     slo: Slo = field(default_factory=Slo)
     show_progress: bool = True
     connection_limit: int = 1024
+    honor_retry_after: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 1:
@@ -122,11 +129,25 @@ class _Sender:
         records: list[RequestRecord] = []
 
         async def worker() -> None:
+            previous: RequestRecord | None = None
             for request in pending:
+                if previous is not None:
+                    await self.back_off(previous)
                 now_s = self.elapsed_s()
                 if self.is_past_deadline(now_s):
                     return
-                records.append(await self.send(request, now_s))
+                previous = await self.send(request, now_s)
+                records.append(previous)
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(planned)))))
         return records
+
+    async def back_off(self, record: RequestRecord) -> None:
+        """Wait out a refusal's `Retry-After` (closed loop), capped, and never past the duration."""
+        if not self.options.honor_retry_after or record.retry_after_s is None:
+            return
+        wait_s = min(record.retry_after_s, MAX_RETRY_WAIT_S)
+        if self.options.duration_s is not None:
+            wait_s = min(wait_s, self.options.duration_s - self.elapsed_s())
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)

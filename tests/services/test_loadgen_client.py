@@ -59,7 +59,8 @@ class FakeOpenAI:
         mode = body.get("fake", "ok")
         if mode == "reject":
             error = {"message": "the cluster is busy", "type": "rate_limit_error", "param": None, "code": "x"}
-            return web.json_response({"error": error}, status=429)
+            headers = {"Retry-After": str(body["retry_after"])} if "retry_after" in body else {}
+            return web.json_response({"error": error}, status=429, headers=headers)
         if mode == "boom":
             return web.Response(status=500, text="internal blow-up")
         self.num_started += 1
@@ -208,6 +209,20 @@ async def test_a_429_is_a_rejection_with_the_openai_message(server: ServerThread
     record = await _send(server.url, _planned(), extra_body={"fake": "reject"})
     assert record.status == 429 and record.is_rejected and not record.is_failed and not record.is_completed
     assert record.error == "HTTP 429: the cluster is busy"
+
+
+async def test_a_closed_loop_waits_out_retry_after_unless_told_not_to(server: ServerThread) -> None:
+    client = ClientOptions(server.url, MODEL, extra_body={"fake": "reject", "retry_after": 1})
+    planned = [_planned(i, output_len=2) for i in range(3)]
+    polite = await run(planned, RunOptions(client, concurrency=1, show_progress=False))
+    assert [r.retry_after_s for r in polite.records] == [1.0, 1.0, 1.0]
+    sends = sorted(r.send_s or 0.0 for r in polite.records)
+    assert all(later - earlier >= 0.99 for earlier, later in zip(sends, sends[1:], strict=False))
+    assert polite.records[-1].done_s is not None and polite.records[-1].done_s < 2.9  # no wait after the last one
+    eager = await run(planned, RunOptions(client, concurrency=1, show_progress=False, honor_retry_after=False))
+    assert max(r.done_s or 0.0 for r in eager.records) < 0.9
+    bounded = await run(planned, RunOptions(client, concurrency=1, duration_s=0.5, show_progress=False))
+    assert len(bounded.records) == 1  # the wait ran into the duration: nothing more was sent
 
 
 @pytest.mark.parametrize(
