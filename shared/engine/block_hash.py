@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import xxhash
 
@@ -82,11 +82,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, namespace: bytes) ->
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive: {block_size}")
-    data = le_bytes(u32_tokens(token_ids))
-    step = 4 * block_size
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(data) - step + 1, step):
-        parent = chain_hash(parent, data[start : start + step], namespace)
-        hashes.append(parent)
-    return hashes
+    return [block_hash for _, block_hash in chain_hashes(u32_tokens(token_ids), block_size, namespace)]
+
+
+def chain_hashes(tokens: array[int], block_size: int, namespace: bytes, start: int = 0,
+                 parent: int | None = None) -> Iterator[tuple[array[int], int]]:
+    """Each full block of ``tokens`` from block ``start`` on, with its chained id, lazily (a caller may stop at the
+    first miss); ``parent`` is block ``start - 1``'s id (None when ``start`` is 0)."""
+    for i in range(start, len(tokens) // block_size):
+        block_tokens = tokens[i * block_size : (i + 1) * block_size]
+        parent = chain_hash(parent, le_bytes(block_tokens), namespace)
+        yield block_tokens, parent

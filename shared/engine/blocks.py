@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.block_checks import InvariantChecks
-from shared.engine.block_hash import chain_hash, le_bytes, u32_tokens
+from shared.engine.block_hash import chain_hashes, u32_tokens
 from shared.wire.protocol.messages import REMOVED, STORED  # the BlockManager's event kinds are the KvEvent kinds
 
 __all__ = ["BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks"]
@@ -314,15 +314,11 @@ class BlockManager(InvariantChecks):
 
     def _match_prefix(self, tokens: array[int]) -> tuple[list[int], list[int]]:
         """The cached blocks reusable for ``tokens`` and the chained hashes computed on the way."""
-        size = self._block_size
         reused: list[int] = []
         hashes: list[int] = []
-        parent: int | None = None
-        for i in range((len(tokens) - 1) // size):
-            block_tokens = tokens[i * size : (i + 1) * size]
-            parent = chain_hash(parent, le_bytes(block_tokens), self._namespace)
-            hashes.append(parent)
-            block_id = self._index.get(parent)
+        for block_tokens, block_hash in chain_hashes(tokens[:-1], self._block_size, self._namespace):  # last: computed
+            hashes.append(block_hash)
+            block_id = self._index.get(block_hash)
             # A hit whose stored tokens differ is a 64-bit hash collision: treat it as a miss.
             if block_id is None or self._block_tokens[block_id] != block_tokens:
                 break
@@ -378,11 +374,10 @@ class BlockManager(InvariantChecks):
             self._copies.pop(block_hash, None)
 
     def _extend_hashes(self, seq: _Seq, num_full_blocks: int) -> None:
-        size = self._block_size
-        for i in range(len(seq.hashes), num_full_blocks):
-            parent = seq.hashes[i - 1] if i > 0 else None
-            block_bytes = le_bytes(seq.token_ids[i * size : (i + 1) * size])
-            seq.hashes.append(chain_hash(parent, block_bytes, self._namespace))
+        done = len(seq.hashes)
+        tokens = seq.token_ids[: num_full_blocks * self._block_size]
+        parent = seq.hashes[-1] if seq.hashes else None
+        seq.hashes += [h for _, h in chain_hashes(tokens, self._block_size, self._namespace, done, parent)]
 
     def _take_fresh(self, count: int) -> list[int]:
         """Take ``count`` blocks, free list first, then evicting least recently freed cached ones."""
