@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from shared.model.checkpoint import load_checkpoint
+from shared.tools.cli.up import engine_threads
 from shared.tools.hf_export import export_hf_folder
 from shared.tools.nats_server import free_port
 
@@ -262,7 +263,7 @@ def decode_threads(name: str) -> int:
     """The torch threads of a tsukimi setup's decode engine: as set, else `tsukimi up`'s share of the cores."""
     up_args, env = TSUKIMI_SETUPS[name]
     num_engines = 1 if "--colocated" in up_args else 2
-    return int(env.get("TSUKIMI_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // num_engines)
+    return int(env.get("TSUKIMI_NUM_THREADS", 0)) or engine_threads(num_engines)
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:

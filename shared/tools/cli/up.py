@@ -254,6 +254,11 @@ def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def engine_threads(num_engines: int) -> int:
+    """Each engine's torch threads when `tsukimi up` runs `num_engines` on this machine: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // num_engines)
+
+
 def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
     if args.colocated and (args.prefill or args.decode):
         raise CliError("--colocated N replaces --prefill and --decode")
@@ -271,7 +276,7 @@ def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
             raise CliError(f"no model at {args.model}")
         model = str(path.resolve())
     num_engines = prefill + decode
-    threads = 0 if settings.engine.num_threads else max(1, (os.cpu_count() or 1) // num_engines)
+    threads = 0 if settings.engine.num_threads else engine_threads(num_engines)
     kv_share = 0.0 if "TSUKIMI_KV_MEMORY_FRACTION" in os.environ else KV_MEMORY_SHARED / num_engines
     try:
         return Topology(
