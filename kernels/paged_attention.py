@@ -1,8 +1,8 @@
 """Attention over the paged KV cache: storing a step's K/V into pool slots, decode and prefill attention.
 
-Each op has a plain PyTorch reference here (`*_ref`: the CPU path, the kernels' oracle) and a dispatcher taking a
-`KernelBackend`; the Triton kernels and their checking launchers are in `kernels.paged_attention_triton`. Pool
-layout: see `kernels.kv_layout`.
+Each op has a plain PyTorch reference here (`*_ref`: the kernels' oracle) and a dispatcher taking a `KernelBackend`;
+the Triton kernels and their checking launchers are in `kernels.paged_attention_triton`, the C++ CPU decode kernel's
+in `kernels.paged_attention_cpu`. Pool layout: see `kernels.kv_layout`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
 from kernels.kv_layout import pool_dims
+from kernels.paged_attention_cpu import paged_decode_attention_cpu
 from kernels.paged_attention_triton import (
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
@@ -172,12 +173,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor, scale: float, backend: KernelBackend,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention_ref` (which may gather into `workspace`) or its Triton kernel, by backend.
+    """`paged_decode_attention_ref` (which may gather into `workspace`) or its Triton or C++ kernel, by backend.
 
     Returns [batch, num_heads, head_dim].
     """
     if backend is KernelBackend.TRITON:
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if backend is KernelBackend.CPU:
+        return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
 
 

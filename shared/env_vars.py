@@ -48,7 +48,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_DEVICE", "auto", "cpu, cuda, cuda:N or auto"),
         EnvVar("TSUKIMI_DTYPE", "fp32",
                "weights and KV cache: fp32, bf16 or fp16 (tsukimi up, unless set: bf16 where the CPU computes bf16)"),
-        EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch or triton"),
+        EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch, triton or cpu"),
         EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
         EnvVar("TSUKIMI_KV_CACHE_MB", "auto",
                "KV pool of a prefill or decode instance, MiB (SmolLM2 bf16: 45 tokens a MiB), or auto: "

@@ -44,7 +44,7 @@ class EngineConfig:
         kv_memory_fraction: the share of the available memory an auto-sized pool takes.
         max_num_seqs: most sequences in the running batch.
         max_num_batched_tokens: tokens per forward step (decode tokens plus prefill chunks): the chunk size.
-        kernels: "auto", "torch" or "triton" (see kernels.backend).
+        kernels: "auto", "torch", "triton" or "cpu" (see kernels.backend).
         num_threads: CPU threads for torch; 0 keeps torch's default.
         enable_prefix_caching: reuse full KV blocks of earlier requests by chained hash.
         kv_codec: "none" (the pool holds K/V tensors of `dtype`) or a codec of `shared.kvcompress` (full blocks are

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from kernels.backend import KernelBackend, select_backend
+from kernels.cpu_build import cpu_kernels_error
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
@@ -21,6 +22,9 @@ from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_dummy_model, build_model
+from shared.wire.log import get_logger
+
+log = get_logger(__name__)
 
 
 class Runner(Protocol):
@@ -74,6 +78,8 @@ class ModelRunner:
             self.model = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device)
         self.block_size = config.block_size
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
+        if self.device.type == "cpu" and self.backend is KernelBackend.TORCH and config.kernels == "auto":
+            log.warning("decode attention takes the PyTorch reference (slower)", reason=cpu_kernels_error())
         self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.backend import KernelBackend, select_backend, triton_available
+from kernels.cpu_build import cpu_kernels_error
 from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -286,7 +287,60 @@ def test_select_backend_rejects_unknown_names(name: str) -> None:
 
 def test_select_backend_resolves_known_names() -> None:
     cpu = torch.device("cpu")
-    assert select_backend("auto", cpu) is KernelBackend.TORCH
+    assert select_backend("auto", cpu) is KernelBackend.CPU  # this machine has g++ (see test_cpu_kernels_build)
+    assert select_backend("cpu", cpu) is KernelBackend.CPU
     assert select_backend("torch", cpu) is KernelBackend.TORCH
     if triton_available():
         assert select_backend("triton", cpu) is KernelBackend.TRITON
+
+
+def test_select_backend_refuses_the_cpu_kernels_off_the_cpu() -> None:
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        select_backend("cpu", torch.device("cuda"))
+
+
+# ---- the C++ CPU decode kernel against the reference --------------------------------------------------------
+
+
+def test_cpu_kernels_build() -> None:
+    """CI and `make test` machines have g++: the engine's default CPU path is the C++ kernel, so it must build."""
+    assert cpu_kernels_error() is None
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "pool",
+    [Pool(16, num_kv_heads=3, groups=3, head_dim=64, num_blocks=64), Pool(16, num_kv_heads=2, groups=4, head_dim=128,
+     num_blocks=64), Pool(5, num_kv_heads=2, groups=8, head_dim=64, num_blocks=64), Pool(4, num_kv_heads=3, groups=2,
+     head_dim=24, num_blocks=64)],
+    ids=["smollm2", "llama3-8b-heads", "odd-blocks", "generic-head-dim"],  # the last takes the portable loops
+)
+def test_cpu_decode_kernel_matches_the_reference(pool: Pool, dtype: torch.dtype) -> None:
+    gen = seeded(11, torch.device("cpu"))
+    k_cache, v_cache = pool.caches(dtype, gen)
+    lens = torch.tensor([1, pool.block_size, pool.block_size + 1, 7 * pool.block_size - 3, 17, 33])
+    max_blocks = -(-int(lens.max()) // pool.block_size)
+    q, tables = pool.queries(len(lens), dtype, gen), pool.tables(len(lens), max_blocks, torch.int32, gen)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens.int(), 0.3, KernelBackend.CPU)
+    expected = paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, lens, 0.3)
+    assert_close(out, expected, dtype)
+    for b, context_len in enumerate(lens.tolist()):  # and the dense oracle, row by row
+        dense = dense_attention(q[b : b + 1], k_cache, v_cache, tables[b], context_len, 0.3)
+        assert_close(out[b : b + 1], dense.to(dtype), dtype)
+
+
+@pytest.mark.parametrize(
+    "lens, bad_block, match",
+    [([0, 3], None, "outside"), ([9, 3], None, "outside"), ([3, 3], 40, "not a block"), ([3, 3], -1, "not a block")],
+    ids=["empty-context", "past-the-table", "block-past-the-pool", "negative-block"],
+)
+def test_cpu_decode_kernel_refuses_what_would_read_outside_the_pool(
+    lens: list[int], bad_block: int | None, match: str
+) -> None:
+    gen, pool = seeded(12, torch.device("cpu")), Pool(block_size=4, num_kv_heads=1, groups=2, head_dim=64)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    q, tables = pool.queries(2, torch.float32, gen), pool.tables(2, 2, torch.int32, gen)
+    if bad_block is not None:
+        tables[1, 0] = bad_block
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens).int(), 0.3, KernelBackend.CPU)

@@ -20,8 +20,10 @@ from shared.tools.bench.hf_baseline import HFResult, load_transformers_model, me
 _worker_model: Any = None
 
 
-def _load(gguf_path: str, dtype: torch.dtype) -> None:
+def _load(gguf_path: str, dtype: torch.dtype, num_threads: int) -> None:
     global _worker_model
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
     _worker_model = load_transformers_model(Path(gguf_path), dtype)
 
 
@@ -30,11 +32,14 @@ def _measure(batch_size: int, prompt_len: int, gen_len: int, seed: int) -> HFRes
 
 
 class TransformersProcess:
-    """`with TransformersProcess(path, dtype) as hf: hf.measure(...)`; the model loads in the worker on entry."""
+    """`with TransformersProcess(path, dtype, threads) as hf: hf.measure(...)`; the model loads in the worker on
+    entry, which computes on `num_threads` torch threads (0: torch's choice), as the engine it is compared with."""
 
-    def __init__(self, gguf_path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, gguf_path: Path, dtype: torch.dtype, num_threads: int = 0) -> None:
         context = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_load, initargs=(str(gguf_path), dtype))
+        self._pool = ProcessPoolExecutor(
+            1, mp_context=context, initializer=_load, initargs=(str(gguf_path), dtype, num_threads)
+        )
 
     def __enter__(self) -> TransformersProcess:
         self._pool.submit(int).result()  # wait for the worker to start and load the model

@@ -49,7 +49,8 @@ class BenchRow:
     roofline_decode_tok_s: float
     tsukimi_decode_step_ms: float
     weight_streaming_bound_ms: float
-    step_to_bound_ratio: float
+    weight_kv_bound_ms: float  # the weight-streaming bound plus the step's KV reads at the measured bandwidth
+    step_to_bound_ratio: float  # step / weight_kv_bound
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -71,7 +72,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "same model, dtype and random prompts: prefill tokens/s (whole batch in one pass) and decode tokens/s "
         "(decode only: for transformers, a run of gen-len+1 tokens minus a run of 1). Also prints this machine's "
         "roofline for one decode step (weights and KV over measured memory bandwidth, FLOPs over measured "
-        "matmul peak) and the weight-streaming bound (weights over the rate a decode-shaped matmul streams them). "
+        "matmul peak), the weight-streaming bound (weights over the rate a decode-shaped matmul streams them) and "
+        "that bound plus the step's KV reads at the measured bandwidth, which the step is compared with. "
         "transformers runs in a separate process, its runs interleaved with tsukimi's.",
     )
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="default: 1,8,32")
@@ -151,6 +153,7 @@ def _bench_row(setup: _Setup, batch_size: int, args: argparse.Namespace) -> Benc
     )
     streaming = measure_weight_streaming(setup.model_config, batch_size, setup.dtype)
     bound_s = weight_streaming_bound_s(setup.model_config, batch_size, setup.dtype, streaming)
+    weight_kv_bound_s = bound_s + roof.kv_bytes / setup.bandwidth
     prefill, decode = _median([r.prefill_tok_s for r in ours]), _median([r.decode_tok_s for r in ours])
     return BenchRow(
         batch_size=batch_size, dtype=args.dtype,
@@ -161,7 +164,8 @@ def _bench_row(setup: _Setup, batch_size: int, args: argparse.Namespace) -> Benc
         roofline_decode_tok_s=round(roof.tok_s, 1),
         tsukimi_decode_step_ms=round(1000 * _median([r.decode_step_s for r in ours]), 2),
         weight_streaming_bound_ms=round(1000 * bound_s, 2),
-        step_to_bound_ratio=round(_median([r.decode_step_s for r in ours]) / bound_s, 2),
+        weight_kv_bound_ms=round(1000 * weight_kv_bound_s, 2),
+        step_to_bound_ratio=round(_median([r.decode_step_s for r in ours]) / weight_kv_bound_s, 2),
     )
 
 
@@ -186,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         rows = _bench_rows(_Setup(engine, None, model_config, dtype, bandwidth, peak), args)
     else:
         _log("loading transformers' model in a separate process...")
-        with TransformersProcess(checkpoint.path, dtype) as transformers:
+        with TransformersProcess(checkpoint.path, dtype, args.threads) as transformers:
             rows = _bench_rows(_Setup(engine, transformers, model_config, dtype, bandwidth, peak), args)
     machine = {"memory_bandwidth_gb_s": round(bandwidth / 1e9, 2), "matmul_peak_gflop_s": round(peak / 1e9, 1)}
     if args.json:
@@ -201,10 +205,10 @@ def _print_table(rows: list[BenchRow], machine: dict[str, float], args: argparse
     print(f"prompt {args.prompt_len} tokens, decode {args.gen_len} tokens, {args.dtype}, median of {args.repeats}; "
           f"memory {machine['memory_bandwidth_gb_s']} GB/s, matmul peak {machine['matmul_peak_gflop_s']} GFLOP/s")
     header = ("batch", "prefill tok/s", "hf prefill", "ratio", "decode tok/s", "hf decode", "ratio",
-              "roofline tok/s", "step ms", "weight bound ms", "step/bound")
+              "roofline tok/s", "step ms", "weight bound ms", "+KV bound ms", "step/bound")
     print("  ".join(f"{h:>14}" for h in header))
     for r in rows:
         cells = (r.batch_size, r.tsukimi_prefill_tok_s, r.transformers_prefill_tok_s, r.prefill_ratio,
                  r.tsukimi_decode_tok_s, r.transformers_decode_tok_s, r.decode_ratio, r.roofline_decode_tok_s,
-                 r.tsukimi_decode_step_ms, r.weight_streaming_bound_ms, r.step_to_bound_ratio)
+                 r.tsukimi_decode_step_ms, r.weight_streaming_bound_ms, r.weight_kv_bound_ms, r.step_to_bound_ratio)
         print("  ".join(f"{'-' if c is None else c:>14}" for c in cells))

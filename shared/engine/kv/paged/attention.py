@@ -76,7 +76,7 @@ class PagedAttention:
     ) -> None:
         self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
         self.after_layer, self.before_layer = after_layer, before_layer
-        # Only the reference path gathers; Triton reads the pool in place.
+        # Only the reference path gathers; the Triton and C++ kernels read the pool in place.
         is_reference = backend is KernelBackend.TORCH
         self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
 
@@ -141,8 +141,8 @@ def step_metadata(
         context_len = chunk.seq.num_computed_tokens + chunk.num_tokens
         segments.append(PrefillSegment(row, chunk.num_tokens, context_len, tensor(block_tables[chunk.seq.request_id])))
         row += chunk.num_tokens
-    padded_prefill = None  # on the reference path, batch the step's prefill attention when chunks are alike in length
-    if backend is KernelBackend.TORCH and PaddedPrefill.is_worth_it(segments, block_size):
+    padded_prefill = None  # where prefill takes the reference, batch the step's prefill attention when chunks are alike
+    if backend is not KernelBackend.TRITON and PaddedPrefill.is_worth_it(segments, block_size):
         prefill_tables = [block_tables[c.seq.request_id][: -(-s.context_len // block_size)]
                           for c, s in zip(chunks[len(decode) :], segments, strict=True)]
         longest = max(len(t) for t in prefill_tables)

@@ -1,0 +1,289 @@
+// Paged decode attention on CPU: one query token per sequence attends over its context straight from the paged
+// pool (no gather). The oracle is kernels.paged_attention.paged_decode_attention_ref; the layout is
+// kernels.kv_layout's: K and V each [num_kv_heads, num_blocks, block_size, head_dim].
+//
+// Work unit: one (sequence, KV head) pair, its query heads together (grouped-query attention reads each K/V row
+// once for the whole group). Scores for the whole context, one softmax, then V weighted by the probabilities; all
+// in fp32, the output in the query's dtype. Loops are written for the compiler's vectorizer (-O3 -march=native).
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
+
+// e^x for x <= 0 (a score minus the row's max): x = k ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial
+// to degree 7 (relative error below 1e-7), 2^k through the exponent bits. Branch-free, so it vectorizes.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// kHeadDim > 0: the head size known at compile time (the inner loops unroll; per-row loop overhead otherwise costs
+// more than the arithmetic at head sizes of 64-128); 0: taken from `dynamic_head_dim`.
+#if defined(__AVX512F__)
+// AVX-512 paths for head sizes that are multiples of 16: the query (or the accumulator) stays in registers, and
+// sixteen rows' dot products are summed across lanes together (`lane_sums`) instead of one by one.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i].
+inline __m512 lane_sums(__m512 v[16]) {
+  __m512 w[8], x[4];
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2k], b = v[2k+1]
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  }
+  for (int m = 0; m < 4; ++m) {  // per 128-bit lane: the partial sums of v[4m .. 4m+3]
+    x[m] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[i] = query . rows[i] for `count` rows of kHeadDim.
+template <typename scalar_t, int64_t kHeadDim>
+inline void row_scores(const float* query, const scalar_t* rows, int64_t count, float* scores) {
+  constexpr int kChunks = kHeadDim / 16;
+  __m512 q[kChunks];
+  for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+  for (int64_t start = 0; start < count; start += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, count - start));
+    __m512 dots[16];
+    for (int i = 0; i < 16; ++i) {
+      dots[i] = _mm512_setzero_ps();
+      if (i < n) {
+        const scalar_t* row = rows + (start + i) * kHeadDim;
+        for (int c = 0; c < kChunks; ++c) dots[i] = _mm512_fmadd_ps(q[c], load16(row + 16 * c), dots[i]);
+      }
+    }
+    _mm512_mask_storeu_ps(scores + start, static_cast<__mmask16>((1u << n) - 1), lane_sums(dots));
+  }
+}
+
+// acc += sum_i weights[i] * rows[i] for `count` rows of kHeadDim; acc: kHeadDim / 16 registers.
+template <typename scalar_t, int64_t kHeadDim>
+inline void weighted_rows(const float* weights, const scalar_t* rows, int64_t count, __m512* acc) {
+  constexpr int kChunks = kHeadDim / 16;
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 weight = _mm512_set1_ps(weights[i]);
+    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(weight, load16(rows + i * kHeadDim + 16 * c), acc[c]);
+  }
+}
+#endif
+
+// The next block of a sequence is anywhere in the pool: ask for it while this one is computed (the hardware
+// prefetcher does not cross into it; measured, K and V loads were a quarter of the kernel's time without this).
+inline void prefetch_block(const void* block, int64_t num_bytes) {
+  const char* bytes = static_cast<const char*>(block);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(bytes + offset);
+}
+
+template <typename scalar_t, int64_t kHeadDim>
+void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+                int64_t context_len, int64_t groups, int64_t dynamic_head_dim, int64_t block_size, float scale,
+                float* scores, float* query, float* acc, scalar_t* out) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : dynamic_head_dim;
+  // q and out point at this KV head's first query head; k_cache and v_cache at this KV head's first block.
+  for (int64_t g = 0; g < groups; ++g) {
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_float(q[g * head_dim + d]) * scale;
+  }
+  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const scalar_t* block = k_cache + static_cast<int64_t>(table[j]) * block_size * head_dim;
+    if (j + 1 < num_blocks) {
+      prefetch_block(k_cache + static_cast<int64_t>(table[j + 1]) * block_size * head_dim,
+                     block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
+    }
+    const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
+#if defined(__AVX512F__)
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+      for (int64_t g = 0; g < groups; ++g) {
+        row_scores<scalar_t, kHeadDim>(query + g * head_dim, block, count, scores + g * context_len + first);
+      }
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < count; ++i) {
+      const scalar_t* key = block + i * head_dim;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qg = query + g * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(key[d]);
+        scores[g * context_len + first + i] = dot;
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* row = scores + g * context_len;
+    float top = -FLT_MAX;
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < context_len; ++t) top = row[t] > top ? row[t] : top;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < context_len; ++t) {
+      row[t] = exp_nonpositive(row[t] - top);
+      total += row[t];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < context_len; ++t) row[t] *= inv;
+  }
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sums[kHeadDim / 16];
+      for (auto& sum : sums) sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const scalar_t* block = v_cache + static_cast<int64_t>(table[j]) * block_size * head_dim;
+        if (j + 1 < num_blocks) {
+          prefetch_block(v_cache + static_cast<int64_t>(table[j + 1]) * block_size * head_dim,
+                         block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
+        }
+        const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
+        weighted_rows<scalar_t, kHeadDim>(scores + g * context_len + first, block, count, sums);
+      }
+      for (int c = 0; c < kHeadDim / 16; ++c) _mm512_storeu_ps(acc + g * head_dim + 16 * c, sums[c]);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+    }
+    return;
+  }
+#endif
+  std::memset(acc, 0, sizeof(float) * groups * head_dim);
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const scalar_t* block = v_cache + static_cast<int64_t>(table[j]) * block_size * head_dim;
+    if (j + 1 < num_blocks) {
+      prefetch_block(v_cache + static_cast<int64_t>(table[j + 1]) * block_size * head_dim,
+                     block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
+    }
+    const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
+    for (int64_t i = 0; i < count; ++i) {
+      const scalar_t* value = block + i * head_dim;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float p = scores[g * context_len + first + i];
+        float* ag = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(value[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+  }
+}
+
+template <typename scalar_t>
+void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t groups = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t head_stride = num_blocks * block_size * head_dim;
+  const scalar_t* q_ptr = q.const_data_ptr<scalar_t>();
+  const int64_t q_row_stride = q.stride(0);
+  const scalar_t* k_ptr = k_cache.const_data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.const_data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t longest = max_blocks * block_size;
+  for (int64_t b = 0; b < batch; ++b) {  // a bad length or block id would read outside the pool
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= longest, "context_lens[", b, "] = ", lens[b], " outside [1, ", longest, "]");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
+      const int32_t id = tables[b * max_blocks + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id, " is not a block of the pool");
+    }
+  }
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * longest), query(groups * head_dim), acc(groups * head_dim);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / num_kv_heads, h = unit % num_kv_heads;
+      const int64_t first_head = h * groups * head_dim;
+      const scalar_t* k_head = k_ptr + h * head_stride;
+      const scalar_t* v_head = v_ptr + h * head_stride;
+      const int32_t* table = tables + b * max_blocks;
+      auto run = [&](auto head_dim_constant) {
+        decode_one<scalar_t, decltype(head_dim_constant)::value>(
+            q_ptr + b * q_row_stride + first_head, k_head, v_head, table, lens[b], groups, head_dim, block_size,
+            static_cast<float>(scale), scores.data(), query.data(), acc.data(),
+            out_ptr + b * num_heads * head_dim + first_head);
+      };
+      if (head_dim == 64) {
+        run(std::integral_constant<int64_t, 64>{});
+      } else if (head_dim == 128) {
+        run(std::integral_constant<int64_t, 128>{});
+      } else {
+        run(std::integral_constant<int64_t, 0>{});
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row's heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "tables must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0 && q.size(2) == k_cache.size(3), "heads do not fit the pool");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one row per sequence");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_all<float>(q, k_cache, v_cache, block_tables, context_lens, scale, out); break;
+    case at::kBFloat16: decode_all<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, out); break;
+    case at::kHalf: decode_all<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tsukimi_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}
