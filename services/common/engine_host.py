@@ -1,5 +1,5 @@
 """Hosting an engine inside an asyncio service: every engine call runs on one dedicated thread (the engine is not
-thread-safe), and the step loop alternates a tick on that thread with delivering its results on the event loop.
+thread-safe), and the step loop runs ticks on that thread while the event loop delivers the previous tick's results.
 
 Also loading the engine the settings name (the model, or the sim backend) and the byte form of a KV block as the
 cache-store keeps it. Nothing here knows prefill from decode.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
@@ -22,6 +22,7 @@ log = get_logger(__name__)
 MAX_FAILED_TICKS = 5
 R = TypeVar("R")
 Tick = Callable[[], tuple[list[R], bool]]  # engine thread: (results to deliver, whether work remains)
+Deliver = Callable[[list[R]], Coroutine[Any, Any, None]]  # event loop: one tick's results, in tick order
 
 
 class EngineHost(Generic[R]):
@@ -57,7 +58,7 @@ class EngineHost(Generic[R]):
         """Run `fn(*args)` on the engine thread (after whatever runs there now)."""
         return await self.loop.run_in_executor(self._executor, fn, *args)
 
-    def start(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+    def start(self, tick: Tick[R], deliver: Deliver[R]) -> None:
         self.loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(tick, deliver), name="engine-loop")
 
@@ -71,30 +72,54 @@ class EngineHost(Generic[R]):
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
-    async def _run(self, tick: Tick[R], deliver: Callable[[list[R]], Awaitable[None]]) -> None:
+    async def _run(self, tick: Tick[R], deliver: Deliver[R]) -> None:
+        """Tick, then deliver that tick's results while the next tick runs (the engine thread never waits for the
+        event loop to publish); deliveries stay in order, and an idle engine's results go out at once."""
         num_failed = 0
-        while True:
-            self._wake.clear()
-            try:
-                results, busy = await self.call(tick)
-                num_failed = 0
-                if results:
-                    await deliver(results)
-            except Exception:
-                num_failed += 1
-                log.exception("engine tick failed", consecutive_failures=num_failed)
-                busy = False
-            if self.engine.is_broken or num_failed >= self.max_failed_ticks:
-                log.error("the engine cannot recover: stopping so that this instance is restarted",
-                          failed_ticks=num_failed, failed_steps=self.engine.isolation.num_consecutive_failures)
-                self.broken.set()
-                return
-            if not busy:
+        delivering: asyncio.Task[None] | None = None
+        try:
+            while True:
+                self._wake.clear()
+                results: list[R] = []
                 try:
-                    async with asyncio.timeout(self.idle_poll_s):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
+                    results, busy = await self.call(tick)
+                    num_failed = 0
+                except Exception:
+                    num_failed += 1
+                    log.exception("engine tick failed", consecutive_failures=num_failed)
+                    busy = False
+                if delivering is not None and not await self._delivered(delivering):
+                    num_failed += 1
+                delivering = asyncio.create_task(deliver(results), name="engine-deliver") if results else None
+                if self.engine.is_broken or num_failed >= self.max_failed_ticks:
+                    if delivering is not None:
+                        await self._delivered(delivering)
+                    log.error("the engine cannot recover: stopping so that this instance is restarted",
+                              failed_ticks=num_failed, failed_steps=self.engine.isolation.num_consecutive_failures)
+                    self.broken.set()
+                    return
+                if not busy:
+                    if delivering is not None and not await self._delivered(delivering):
+                        num_failed += 1
+                    delivering = None
+                    try:
+                        async with asyncio.timeout(self.idle_poll_s):
+                            await self._wake.wait()
+                    except TimeoutError:
+                        pass
+        finally:
+            if delivering is not None:
+                delivering.cancel()
+
+    @staticmethod
+    async def _delivered(delivering: asyncio.Task[None]) -> bool:
+        """Wait for a delivery; False (logged) when it raised."""
+        try:
+            await delivering
+        except Exception:
+            log.exception("delivering an engine tick's results failed")
+            return False
+        return True
 
 
 async def load_engine(

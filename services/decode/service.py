@@ -57,6 +57,16 @@ class _Failure:
     error_type: ErrorType = ErrorType.INVALID
 
 
+@dataclass(frozen=True)
+class _Tick:
+    """One tick's results for the event loop, which delivers them while the next tick runs: what the next tick
+    changes (the time its tokens were made, the aborts it applied) is not this one's."""
+
+    results: list[RequestOutput | _Failure]
+    tokens_ready_at: float  # when this tick's step made its tokens
+    aborted: tuple[str, ...]  # cancellations this tick applied: delivered after it, they leave `_aborts`
+
+
 def _error_type(exc: Exception) -> ErrorType:
     """A refused request is the sender's mistake (ValueError: 400), anything else ours (500)."""
     return ErrorType.INVALID if isinstance(exc, ValueError) else ErrorType.INTERNAL
@@ -74,7 +84,7 @@ class DecodeService:
 
     def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine) -> None:
         self.settings, self.bus, self.engine = settings, bus, engine
-        self.host: EngineHost[RequestOutput | _Failure] = EngineHost(engine)
+        self.host: EngineHost[_Tick] = EngineHost(engine)
         self.receiver = HandoffReceiver(settings.kv_deadline_s, settings.kv_buffer_bytes, settings.request_timeout_s)
         self._kv_saved_bytes = 0  # what FastGen does not hold now, over the running requests (engine thread's)
         self._num_prompt_tokens_left = 0  # of prompts being prefilled here, still to compute (engine thread's)
@@ -82,8 +92,9 @@ class DecodeService:
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
         self.gaps = TokenGaps()  # of the running requests' tokens (event loop's)
-        self._tokens_ready_at = 0.0  # when the last step's tokens were made (engine thread's, read after it)
-        self._aborts: set[str] = set()
+        self._tokens_ready_at = 0.0  # when the last step's tokens were made (engine thread's, copied into _Tick)
+        self._aborts: set[str] = set()  # cancelled while running: results of theirs still coming are dropped
+        self._aborts_applied: set[str] = set()  # of those, the ones the engine has dropped (engine thread's)
         self._prompts: deque[tuple[PrefillTask, SamplingParams]] = deque()  # to prefill here
         self._samples: list[list[float]] = []  # decode step timings since the last heartbeat
         self._moved_bytes = self._moved_tokens = 0  # prompt KV received on the wire since start, and its tokens
@@ -260,9 +271,10 @@ class DecodeService:
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
-    def _tick(self) -> tuple[list[RequestOutput | _Failure], bool]:
-        for request_id in list(self._aborts):
-            self._aborts.discard(request_id)
+    def _tick(self) -> tuple[list[_Tick], bool]:
+        aborted = tuple(r for r in list(self._aborts) if r not in self._aborts_applied)
+        for request_id in aborted:
+            self._aborts_applied.add(request_id)
             self.engine.abort(request_id)
             with self._lock:
                 self._running.discard(request_id)
@@ -274,7 +286,9 @@ class DecodeService:
         with self._lock:  # a finished request stays in `_running` until its last event is out (`_deliver`)
             self._kv_saved_bytes = self.engine.kv_bytes_saved()
             self._num_prompt_tokens_left = prompts_left
-        return [*failures, *outputs], self.engine.has_unfinished()
+        results: list[RequestOutput | _Failure] = [*failures, *outputs]
+        tick = _Tick(results, self._tokens_ready_at, aborted)
+        return ([tick] if results or aborted else []), self.engine.has_unfinished()
 
     def _timed_step(self) -> list[RequestOutput]:
         """One engine step; a pure decode step's time becomes a sample for the scheduler's TBT model."""
@@ -328,10 +342,18 @@ class DecodeService:
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
-    async def _deliver(self, outputs: list[RequestOutput | _Failure]) -> None:
+    async def _deliver(self, ticks: list[_Tick]) -> None:
+        for tick in ticks:
+            await self._deliver_tick(tick)
+            for request_id in tick.aborted:
+                self._aborts.discard(request_id)
+                self._aborts_applied.discard(request_id)
+
+    async def _deliver_tick(self, tick: _Tick) -> None:
         """Each step's outputs, in order; a finished request leaves `_running` here, not when the step ended on the
         engine thread: until its last event is out, its instance still holds it (so a heartbeat between the two
         never shows it held by nobody)."""
+        outputs = tick.results
         with self._lock:
             self._running.difference_update(out.request_id for out in outputs
                                             if isinstance(out, RequestOutput) and out.finished)
@@ -351,7 +373,7 @@ class DecodeService:
             )
             await self.bus.publish(self.bus.subjects.stream(out.request_id), event)
             if out.new_token_ids:
-                self.gaps.made(out.request_id, self._tokens_ready_at)
+                self.gaps.made(out.request_id, tick.tokens_ready_at)
             if out.finished:
                 tbt_s = self.gaps.finish(out.request_id)
                 log.info("decoded", request_id=out.request_id, reason=out.finish_reason,

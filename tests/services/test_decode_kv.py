@@ -259,10 +259,11 @@ async def test_a_finished_request_is_held_until_its_last_event_is_out(nats_url: 
     held_at_delivery: dict[str, bool] = {}
     deliver = service._deliver
 
-    async def watched(outputs: list) -> None:  # noqa: ANN001 -- RequestOutput | _Failure
+    async def watched(ticks: list) -> None:  # noqa: ANN001 -- the service's _Tick
         listed = set(service.load().request_ids)
+        outputs = [o for tick in ticks for o in tick.results]
         held_at_delivery.update({o.request_id: o.request_id in listed for o in outputs if getattr(o, "finished", 0)})
-        await deliver(outputs)
+        await deliver(ticks)
 
     service._deliver = watched  # type: ignore[method-assign]
     await service.start()
