@@ -25,7 +25,8 @@ BUILD_TIMEOUT_S = 300
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept: $TSUKIMI_KERNEL_CACHE, else ~/.cache/tsukimi/kernels."""
+    """Where built libraries are kept: $TSUKIMI_KERNEL_CACHE (declared in shared.env_vars, read here because the
+    kernels import nothing of shared/), else ~/.cache/tsukimi/kernels."""
     configured = os.environ.get("TSUKIMI_KERNEL_CACHE")
     return Path(configured) if configured else Path.home() / ".cache" / "tsukimi" / "kernels"
 

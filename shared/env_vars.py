@@ -49,6 +49,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_DTYPE", "fp32",
                "weights and KV cache: fp32, bf16 or fp16 (tsukimi up, unless set: bf16 where the CPU computes bf16)"),
         EnvVar("TSUKIMI_KERNELS", "auto", "auto, torch, triton or cpu"),
+        EnvVar("TSUKIMI_KERNEL_CACHE", "", "where the C++ CPU kernels are built (default: ~/.cache/tsukimi/kernels)"),
         EnvVar("TSUKIMI_NUM_THREADS", "0", "torch CPU threads per process (0: torch's default)"),
         EnvVar("TSUKIMI_KV_CACHE_MB", "auto",
                "KV pool of a prefill or decode instance, MiB (SmolLM2 bf16: 45 tokens a MiB), or auto: "
