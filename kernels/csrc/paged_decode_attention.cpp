@@ -4,7 +4,8 @@
 //
 // Work unit: one (sequence, KV head) pair, its query heads together (grouped-query attention reads each K/V row
 // once for the whole group). Scores for the whole context, one softmax, then V weighted by the probabilities; all
-// in fp32, the output in the query's dtype. Loops are written for the compiler's vectorizer (-O3 -march=native).
+// in fp32, the output in the query's dtype. AVX-512 intrinsics where the CPU has them (head sizes 64 and 128), loops
+// written for the compiler's vectorizer otherwise (-O3 -march=native).
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -45,8 +46,6 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-// kHeadDim > 0: the head size known at compile time (the inner loops unroll; per-row loop overhead otherwise costs
-// more than the arithmetic at head sizes of 64-128); 0: taken from `dynamic_head_dim`.
 #if defined(__AVX512F__)
 // AVX-512 paths for head sizes that are multiples of 16: the query (or the accumulator) stays in registers, and
 // sixteen rows' dot products are summed across lanes together (`lane_sums`) instead of one by one.
@@ -115,6 +114,8 @@ inline void prefetch_block(const void* block, int64_t num_bytes) {
   for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(bytes + offset);
 }
 
+// kHeadDim > 0: the head size known at compile time (the inner loops unroll; per-row loop overhead otherwise costs
+// more than the arithmetic at head sizes of 64-128); 0: taken from `dynamic_head_dim`.
 template <typename scalar_t, int64_t kHeadDim>
 void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
                 int64_t context_len, int64_t groups, int64_t dynamic_head_dim, int64_t block_size, float scale,

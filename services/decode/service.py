@@ -344,10 +344,12 @@ class DecodeService:
 
     async def _deliver(self, ticks: list[_Tick]) -> None:
         for tick in ticks:
-            await self._deliver_tick(tick)
-            for request_id in tick.aborted:
-                self._aborts.discard(request_id)
-                self._aborts_applied.discard(request_id)
+            try:
+                await self._deliver_tick(tick)
+            finally:  # even when publishing failed: these requests are gone from the engine
+                for request_id in tick.aborted:
+                    self._aborts.discard(request_id)
+                    self._aborts_applied.discard(request_id)
 
     async def _deliver_tick(self, tick: _Tick) -> None:
         """Each step's outputs, in order; a finished request leaves `_running` here, not when the step ended on the
