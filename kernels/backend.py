@@ -1,8 +1,9 @@
 """The one switch between the kernels (Triton on GPUs, C++ on CPUs) and their plain PyTorch references.
 
-`auto` takes Triton on CUDA when it imports, the C++ CPU kernels on CPU when they build (`kernels.cpu_build`), the
-references otherwise; `triton` on a CPU tensor runs only under TRITON_INTERPRET=1 (the kernel tests do that). The
-CPU backend has a kernel for decode attention only; every other op takes its reference there.
+`auto` takes Triton on CUDA when it imports, the C++ CPU kernels on an AVX-512 CPU when they build
+(`kernels.cpu_build`), the references otherwise; `triton` on a CPU tensor runs only under TRITON_INTERPRET=1 (the
+kernel tests do that). The CPU backend has a kernel for decode attention only (at head sizes 64 and 128); every
+other op takes its reference there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_build import cpu_kernels_available, cpu_kernels_error
+from kernels.cpu_build import cpu_has_avx512, cpu_kernels_available, cpu_kernels_error
 
 
 class KernelBackend(StrEnum):
@@ -36,7 +37,8 @@ def select_backend(requested: str, device: torch.device) -> KernelBackend:
     if requested == "auto":
         if device.type == "cuda":
             return KernelBackend.TRITON if triton_available() else KernelBackend.TORCH
-        return KernelBackend.CPU if device.type == "cpu" and cpu_kernels_available() else KernelBackend.TORCH
+        is_fast_cpu = device.type == "cpu" and cpu_has_avx512()
+        return KernelBackend.CPU if is_fast_cpu and cpu_kernels_available() else KernelBackend.TORCH
     try:
         backend = KernelBackend(requested)
     except ValueError:

@@ -85,3 +85,9 @@ def cpu_kernels_error() -> str | None:
 
 def cpu_kernels_available() -> bool:
     return cpu_kernels_error() is None
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (the kernels' fast paths; without it their portable loops are slower than the
+    references, so `auto` keeps those)."""
+    return " avx512f " in f"{_cpu_flags()} "

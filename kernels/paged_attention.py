@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
 from kernels.kv_layout import pool_dims
-from kernels.paged_attention_cpu import paged_decode_attention_cpu
+from kernels.paged_attention_cpu import CPU_FAST_HEAD_DIMS, paged_decode_attention_cpu
 from kernels.paged_attention_triton import (
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
@@ -173,13 +173,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor, scale: float, backend: KernelBackend,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention_ref` (which may gather into `workspace`) or its Triton or C++ kernel, by backend.
+    """`paged_decode_attention_ref` (which may gather into `workspace`) or its Triton or C++ kernel, by backend
+    (the C++ one at the head sizes it has a fast path for; the reference is faster at the others).
 
     Returns [batch, num_heads, head_dim].
     """
     if backend is KernelBackend.TRITON:
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if backend is KernelBackend.CPU:
+    if backend is KernelBackend.CPU and q.shape[-1] in CPU_FAST_HEAD_DIMS:
         return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
 

@@ -114,6 +114,17 @@ inline void prefetch_block(const void* block, int64_t num_bytes) {
   for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(bytes + offset);
 }
 
+// Block j of a sequence's table (blocks of block_elems elements), the next one asked for meanwhile.
+template <typename scalar_t>
+inline const scalar_t* table_block(const scalar_t* pool, const int32_t* table, int64_t j, int64_t num_blocks,
+                                   int64_t block_elems) {
+  if (j + 1 < num_blocks) {
+    prefetch_block(pool + static_cast<int64_t>(table[j + 1]) * block_elems,
+                   block_elems * static_cast<int64_t>(sizeof(scalar_t)));
+  }
+  return pool + static_cast<int64_t>(table[j]) * block_elems;
+}
+
 // kHeadDim > 0: the head size known at compile time (the inner loops unroll; per-row loop overhead otherwise costs
 // more than the arithmetic at head sizes of 64-128); 0: taken from `dynamic_head_dim`.
 template <typename scalar_t, int64_t kHeadDim>
@@ -128,11 +139,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   }
   const int64_t num_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const scalar_t* block = k_cache + static_cast<int64_t>(table[j]) * block_size * head_dim;
-    if (j + 1 < num_blocks) {
-      prefetch_block(k_cache + static_cast<int64_t>(table[j + 1]) * block_size * head_dim,
-                     block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
-    }
+    const scalar_t* block = table_block(k_cache, table, j, num_blocks, block_size * head_dim);
     const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
 #if defined(__AVX512F__)
     if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
@@ -168,43 +175,35 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
 #pragma omp simd
     for (int64_t t = 0; t < context_len; ++t) row[t] *= inv;
   }
+  bool accumulated = false;
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
     for (int64_t g = 0; g < groups; ++g) {
       __m512 sums[kHeadDim / 16];
       for (auto& sum : sums) sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < num_blocks; ++j) {
-        const scalar_t* block = v_cache + static_cast<int64_t>(table[j]) * block_size * head_dim;
-        if (j + 1 < num_blocks) {
-          prefetch_block(v_cache + static_cast<int64_t>(table[j + 1]) * block_size * head_dim,
-                         block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
-        }
+        const scalar_t* block = table_block(v_cache, table, j, num_blocks, block_size * head_dim);
         const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
         weighted_rows<scalar_t, kHeadDim>(scores + g * context_len + first, block, count, sums);
       }
       for (int c = 0; c < kHeadDim / 16; ++c) _mm512_storeu_ps(acc + g * head_dim + 16 * c, sums[c]);
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d]);
-    }
-    return;
+    accumulated = true;
   }
 #endif
-  std::memset(acc, 0, sizeof(float) * groups * head_dim);
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const scalar_t* block = v_cache + static_cast<int64_t>(table[j]) * block_size * head_dim;
-    if (j + 1 < num_blocks) {
-      prefetch_block(v_cache + static_cast<int64_t>(table[j + 1]) * block_size * head_dim,
-                     block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)));
-    }
-    const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
-    for (int64_t i = 0; i < count; ++i) {
-      const scalar_t* value = block + i * head_dim;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float p = scores[g * context_len + first + i];
-        float* ag = acc + g * head_dim;
+  if (!accumulated) {
+    std::memset(acc, 0, sizeof(float) * groups * head_dim);
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const scalar_t* block = table_block(v_cache, table, j, num_blocks, block_size * head_dim);
+      const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
+      for (int64_t i = 0; i < count; ++i) {
+        const scalar_t* value = block + i * head_dim;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float p = scores[g * context_len + first + i];
+          float* ag = acc + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(value[d]);
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(value[d]);
+        }
       }
     }
   }

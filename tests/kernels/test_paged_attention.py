@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.backend import KernelBackend, select_backend, triton_available
-from kernels.cpu_build import cpu_kernels_error
+from kernels.cpu_build import cpu_has_avx512, cpu_kernels_error
 from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -22,6 +22,7 @@ from kernels.paged_attention import (
     store_kv,
     store_kv_ref,
 )
+from kernels.paged_attention_cpu import paged_decode_attention_cpu
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol, per dtype
@@ -287,7 +288,8 @@ def test_select_backend_rejects_unknown_names(name: str) -> None:
 
 def test_select_backend_resolves_known_names() -> None:
     cpu = torch.device("cpu")
-    assert select_backend("auto", cpu) is KernelBackend.CPU  # this machine has g++ (see test_cpu_kernels_build)
+    # the machines of `make test` have g++ (see test_cpu_kernels_build); auto wants AVX-512 besides
+    assert select_backend("auto", cpu) is (KernelBackend.CPU if cpu_has_avx512() else KernelBackend.TORCH)
     assert select_backend("cpu", cpu) is KernelBackend.CPU
     assert select_backend("torch", cpu) is KernelBackend.TORCH
     if triton_available():
@@ -300,6 +302,14 @@ def test_select_backend_refuses_the_cpu_kernels_off_the_cpu() -> None:
 
 
 # ---- the C++ CPU decode kernel against the reference --------------------------------------------------------
+
+
+def test_the_dispatcher_keeps_the_reference_where_the_kernel_has_no_fast_path() -> None:
+    gen, pool = seeded(13, torch.device("cpu")), Pool(4, num_kv_heads=1, groups=2, head_dim=24)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    q, tables, lens = pool.queries(2, torch.float32, gen), pool.tables(2, 2, torch.int32, gen), torch.tensor([5, 8])
+    expected = paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, lens, 0.3)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3, KernelBackend.CPU), expected)
 
 
 def test_cpu_kernels_build() -> None:
@@ -321,7 +331,7 @@ def test_cpu_decode_kernel_matches_the_reference(pool: Pool, dtype: torch.dtype)
     lens = torch.tensor([1, pool.block_size, pool.block_size + 1, 7 * pool.block_size - 3, 17, 33])
     max_blocks = -(-int(lens.max()) // pool.block_size)
     q, tables = pool.queries(len(lens), dtype, gen), pool.tables(len(lens), max_blocks, torch.int32, gen)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens.int(), 0.3, KernelBackend.CPU)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens.int(), 0.3)  # the kernel at every head size
     expected = paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, lens, 0.3)
     assert_close(out, expected, dtype)
     for b, context_len in enumerate(lens.tolist()):  # and the dense oracle, row by row
@@ -343,4 +353,4 @@ def test_cpu_decode_kernel_refuses_what_would_read_outside_the_pool(
     if bad_block is not None:
         tables[1, 0] = bad_block
     with pytest.raises(ValueError, match=match):
-        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens).int(), 0.3, KernelBackend.CPU)
+        paged_decode_attention_cpu(q, k_cache, v_cache, tables, torch.tensor(lens).int(), 0.3)

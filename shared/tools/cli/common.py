@@ -89,7 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kernels", default=default("TSUKIMI_KERNELS"), choices=["auto", "torch", "triton", "cpu"],
         help="Triton (GPU) or C++ (CPU) kernels, or their PyTorch references (default: auto = Triton on CUDA, "
-        "C++ on CPU where a compiler builds them)",
+        "C++ on an AVX-512 CPU where a compiler builds them)",
     )
     group.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     group.add_argument(
