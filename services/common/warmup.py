@@ -26,11 +26,14 @@ def _prompt(length: int, salt: int) -> list[int]:
 def time_prefill_steps(engine: LLMEngine) -> list[StepStats]:
     """One prompt per length, each in a step of its own; the first step (cold caches) is not kept."""
     stats = []
-    for length in PROMPT_LENGTHS:
+    # One salt per length, all distinct: prompts of equal salt share their first tokens, and a longer one would then
+    # reuse a shorter one's cached blocks and time fewer tokens than its length.
+    first_salt = (time.time_ns() % 997) * len(PROMPT_LENGTHS)
+    for index, length in enumerate(PROMPT_LENGTHS):
         if length >= min(engine.model_config.max_position, engine.config.max_num_batched_tokens):
             break
         request_id = f"warmup-prefill-{length}"
-        engine.add_request(request_id, _prompt(length, time.time_ns() % 997), SamplingParams(max_tokens=1))
+        engine.add_request(request_id, _prompt(length, first_salt + index), SamplingParams(max_tokens=1))
         while engine.has_unfinished():
             engine.step()
         if engine.last_step is not None:
