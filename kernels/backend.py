@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_build import cpu_has_avx512, cpu_kernels_available, cpu_kernels_error
+from kernels.cpu_build import auto_cpu_kernels_error, cpu_kernels_error
 
 
 class KernelBackend(StrEnum):
@@ -37,8 +37,8 @@ def select_backend(requested: str, device: torch.device) -> KernelBackend:
     if requested == "auto":
         if device.type == "cuda":
             return KernelBackend.TRITON if triton_available() else KernelBackend.TORCH
-        is_fast_cpu = device.type == "cpu" and cpu_has_avx512()
-        return KernelBackend.CPU if is_fast_cpu and cpu_kernels_available() else KernelBackend.TORCH
+        is_cpu = device.type == "cpu"
+        return KernelBackend.CPU if is_cpu and auto_cpu_kernels_error() is None else KernelBackend.TORCH
     try:
         backend = KernelBackend(requested)
     except ValueError:

@@ -31,6 +31,7 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "tsukimi" / "kernels"
 
 
+@cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -83,11 +84,14 @@ def cpu_kernels_error() -> str | None:
     return None
 
 
-def cpu_kernels_available() -> bool:
-    return cpu_kernels_error() is None
-
-
 def cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (the kernels' fast paths; without it their portable loops are slower than the
-    references, so `auto` keeps those)."""
+    """Whether this CPU has AVX-512, which the kernels' fast paths need."""
     return " avx512f " in f"{_cpu_flags()} "
+
+
+def auto_cpu_kernels_error() -> str | None:
+    """None when `auto` takes the kernels on this machine; otherwise why not. Without AVX-512 their portable loops
+    are slower than the references, so they are not even built then."""
+    if not cpu_has_avx512():
+        return "this CPU has no AVX-512, which the C++ CPU kernels' fast paths need"
+    return cpu_kernels_error()

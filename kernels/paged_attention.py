@@ -180,9 +180,17 @@ def paged_decode_attention(
     """
     if backend is KernelBackend.TRITON:
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if backend is KernelBackend.CPU and q.shape[-1] in CPU_FAST_HEAD_DIMS:
-        return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
+    if decode_takes_reference(backend, q.shape[-1]):
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
+    return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_takes_reference(backend: KernelBackend, head_dim: int) -> bool:
+    """Whether `paged_decode_attention` runs the reference (which gathers, into a workspace when given one): on the
+    torch backend, and on the CPU backend at head sizes its kernel has no fast path for."""
+    if backend is KernelBackend.CPU:
+        return head_dim not in CPU_FAST_HEAD_DIMS
+    return backend is KernelBackend.TORCH
 
 
 def paged_prefill_attention(

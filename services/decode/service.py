@@ -92,7 +92,6 @@ class DecodeService:
         self._ready: deque[PrefilledRequest] = deque()  # KV assembled, not yet in the engine (EngineFull)
         self._running: set[str] = set()
         self.gaps = TokenGaps()  # of the running requests' tokens (event loop's)
-        self._tokens_ready_at = 0.0  # when the last step's tokens were made (engine thread's, copied into _Tick)
         self._aborts: set[str] = set()  # cancelled while running: results of theirs still coming are dropped
         self._aborts_applied: set[str] = set()  # of those, the ones the engine has dropped (engine thread's)
         self._prompts: deque[tuple[PrefillTask, SamplingParams]] = deque()  # to prefill here
@@ -287,7 +286,7 @@ class DecodeService:
             self._kv_saved_bytes = self.engine.kv_bytes_saved()
             self._num_prompt_tokens_left = prompts_left
         results: list[RequestOutput | _Failure] = [*failures, *outputs]
-        tick = _Tick(results, self._tokens_ready_at, aborted)
+        tick = _Tick(results, self.engine.runner.tokens_ready_at, aborted)
         return ([tick] if results or aborted else []), self.engine.has_unfinished()
 
     def _timed_step(self) -> list[RequestOutput]:
@@ -297,7 +296,6 @@ class DecodeService:
         batch, context = len(running), sum(s.num_tokens for s in running)
         started = time.perf_counter()
         outputs = self.engine.step()
-        self._tokens_ready_at = self.engine.runner.tokens_ready_at
         if is_pure_decode and batch:
             with self._lock:
                 self._samples.append([float(batch), float(context), time.perf_counter() - started])

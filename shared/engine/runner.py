@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from kernels.backend import KernelBackend, select_backend
-from kernels.cpu_build import cpu_kernels_error
+from kernels.cpu_build import auto_cpu_kernels_error
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
@@ -79,7 +79,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
         if self.device.type == "cpu" and self.backend is KernelBackend.TORCH and config.kernels == "auto":
-            log.warning("decode attention takes the PyTorch reference (slower)", reason=cpu_kernels_error())
+            log.warning("decode attention takes the PyTorch reference (slower)", reason=auto_cpu_kernels_error())
         self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)

@@ -1,6 +1,6 @@
 """Paged attention: references against a dense per-token oracle; Triton kernels against the references
-(interpreted on CPU at small odd shapes, see conftest.py; on CUDA also at real shapes); argument checks and
-the backend switch.
+(interpreted on CPU at small odd shapes, see conftest.py; on CUDA also at real shapes); the C++ CPU decode kernel
+against both; argument checks and the backend switch.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import torch
 
 from kernels.backend import KernelBackend
 from kernels.paged_attention import (
+    decode_takes_reference,
     paged_decode_attention,
     paged_prefill_attention,
     paged_prefill_attention_padded_ref,
@@ -77,8 +78,8 @@ class PagedAttention:
         self.pool, self.meta, self.scale, self.backend = pool, meta, scale, backend
         self.after_layer, self.before_layer = after_layer, before_layer
         # Only the reference path gathers; the Triton and C++ kernels read the pool in place.
-        is_reference = backend is KernelBackend.TORCH
-        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if is_reference else None
+        gathers = decode_takes_reference(backend, pool.tensor.shape[-1])
+        self.workspace = pool.gather_workspace(meta.decode_block_tables.numel()) if gathers else None
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
