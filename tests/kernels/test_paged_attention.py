@@ -339,6 +339,24 @@ def test_cpu_decode_kernel_matches_the_reference(pool: Pool, dtype: torch.dtype)
         assert_close(out[b : b + 1], dense.to(dtype), dtype)
 
 
+@DTYPES
+def test_cpu_decode_kernel_reads_no_row_past_the_context(dtype: torch.dtype) -> None:
+    """Rows past a context's end in its last block (stale or never written) poisoned with NaN change nothing: an odd
+    last row is paired with zeros, not with the row after it."""
+    gen, pool = seeded(17, torch.device("cpu")), Pool(5, num_kv_heads=2, groups=3, head_dim=64, num_blocks=16)
+    k_cache, v_cache = pool.caches(dtype, gen)
+    lens = torch.tensor([7, 3, 11])
+    q, tables = pool.queries(len(lens), dtype, gen), pool.tables(len(lens), 3, torch.int32, gen)
+    for b, context_len in enumerate(lens.tolist()):
+        last, used = tables[b, (context_len - 1) // pool.block_size], (context_len - 1) % pool.block_size + 1
+        k_cache[:, last, used:] = float("nan")
+        v_cache[:, last, used:] = float("nan")
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens.int(), 0.3)
+    for b, context_len in enumerate(lens.tolist()):
+        dense = dense_attention(q[b : b + 1], k_cache, v_cache, tables[b], context_len, 0.3)
+        assert_close(out[b : b + 1], dense.to(dtype), dtype)
+
+
 @pytest.mark.parametrize(
     "lens, bad_block, match",
     [([0, 3], None, "outside"), ([9, 3], None, "outside"), ([3, 3], 40, "not a block"), ([3, 3], -1, "not a block")],
