@@ -156,6 +156,29 @@ def paged_prefill_attention_padded_ref(
     return out.transpose(1, 2)[seq_of_row, row_in_seq]
 
 
+def fresh_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of `num_seqs` whole prompts of one length over their own k, v, as the step computed them.
+
+    For prompts with nothing cached before them the pool holds exactly these k, v (stored this step), so reading them
+    back (the gather of `paged_prefill_attention_padded_ref`) and padding the queries is work for nothing.
+    Args:
+        q: [num_seqs * length, num_heads, head_dim], the prompts one after another; k, v: [same, num_kv_heads,
+            head_dim]. Views with strided rows (slices of the fused projection) are taken as they are.
+    Returns:
+        [num_seqs * length, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+
+    def per_seq(x: torch.Tensor) -> torch.Tensor:  # [num_seqs, heads, length, head_dim]
+        return x.unflatten(0, (num_seqs, num_tokens // num_seqs)).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(per_seq(q), per_seq(k), per_seq(v), is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
+
+
 # ---- Dispatchers: what the engine calls --------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import torch
 from kernels.backend import KernelBackend, select_backend, triton_available
 from kernels.cpu_build import cpu_has_avx512, cpu_kernels_error
 from kernels.paged_attention import (
+    fresh_prefill_attention,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -143,6 +144,24 @@ def test_padded_prefill_ref_equals_one_call_per_sequence(num_new: list[int], con
         expected = paged_prefill_attention_ref(rows, k_cache, v_cache, tables[row], context_len, 0.3)
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
         start += new
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_fresh_prompts_attend_over_their_own_kv_as_over_the_pool(num_seqs: int) -> None:
+    """Whole prompts with nothing cached: attention over the step's own k, v (strided views of one projection, as
+    the model's) equals attention over what the pool holds after they are stored."""
+    gen, pool = seeded(8, torch.device("cpu")), Pool(block_size=4, num_kv_heads=3, groups=3, head_dim=16)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    length = 10
+    tables = pool.tables(num_seqs, 3, torch.int64, gen)
+    fused = torch.randn(num_seqs * length, pool.num_heads + 2 * pool.num_kv_heads, pool.head_dim, generator=gen)
+    q, k, v = fused.split([pool.num_heads, pool.num_kv_heads, pool.num_kv_heads], dim=1)
+    slots = torch.cat([tables[s, torch.arange(length) // 4] * 4 + torch.arange(length) % 4 for s in range(num_seqs)])
+    store_kv_ref(k_cache, v_cache, k, v, slots)
+    out = fresh_prefill_attention(q, k, v, num_seqs, 0.3)
+    expected = paged_prefill_attention_padded_ref(q.contiguous(), k_cache, v_cache, tables, [length] * num_seqs,
+                                                  [length] * num_seqs, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_store_kv_ref_writes_each_token_to_its_slot() -> None:

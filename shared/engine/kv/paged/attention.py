@@ -12,6 +12,7 @@ import torch
 from kernels.backend import KernelBackend
 from kernels.paged_attention import (
     decode_takes_reference,
+    fresh_prefill_attention,
     paged_decode_attention,
     paged_prefill_attention,
     paged_prefill_attention_padded_ref,
@@ -32,6 +33,11 @@ class PrefillSegment:
     num_tokens: int
     context_len: int  # tokens visible after this chunk (cached + earlier chunks + this one)
     block_table: torch.Tensor  # [num_blocks_of_seq]
+
+    @property
+    def is_fresh(self) -> bool:
+        """A whole prompt with nothing before it: it attends only over this step's own k, v."""
+        return self.context_len == self.num_tokens
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,12 @@ class StepMetadata:
     decode_context_lens: torch.Tensor  # [num_decode_tokens]
     prefill_segments: list[PrefillSegment]
     padded_prefill: PaddedPrefill | None = None
+
+    @property
+    def fresh_prompts_of_one_length(self) -> bool:
+        """Every prefill segment a whole prompt of one length: one attention call over the step's own k, v."""
+        segments = self.prefill_segments
+        return bool(segments) and all(s.is_fresh and s.num_tokens == segments[0].num_tokens for s in segments)
 
 
 class PagedAttention:
@@ -97,6 +109,10 @@ class PagedAttention:
         out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
+        if meta.fresh_prompts_of_one_length:
+            rows = slice(num_decode, None)
+            out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], len(meta.prefill_segments), self.scale)
+            return out
         if meta.padded_prefill is not None:
             batch = meta.padded_prefill
             out[num_decode:] = paged_prefill_attention_padded_ref(
@@ -105,6 +121,9 @@ class PagedAttention:
             return out
         for seg in meta.prefill_segments:
             rows = slice(seg.start, seg.start + seg.num_tokens)
+            if seg.is_fresh:
+                out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], 1, self.scale)
+                continue
             out[rows] = paged_prefill_attention(
                 q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
             )
