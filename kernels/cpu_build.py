@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
 

@@ -17,7 +17,7 @@ from kernels.kvquant_layout import KvQuantLayerParams
 
 
 def rotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """k [H, num_tokens, D] at positions 0..num_tokens-1, rotated as `shared.model.llama.apply_rotary` does."""
+    """k [H, num_tokens, D] at positions 0..num_tokens-1, rotated as `kernels.layer_ops.apply_rotary_ref` does."""
     num_tokens, half = k.shape[1], k.shape[2] // 2
     cos_t, sin_t = cos[:num_tokens].repeat(1, 2), sin[:num_tokens].repeat(1, 2)  # [num_tokens, D]
     rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)

@@ -13,6 +13,7 @@ import torch
 
 from kernels.backend import KernelBackend, select_backend
 from kernels.cpu_build import auto_cpu_kernels_error
+from kernels.layer_ops import cpu_layer_ops
 from shared.engine.batching import ScheduledChunk, StepPlan
 from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
@@ -21,7 +22,7 @@ from shared.engine.kv.store import KvStore, LayerCallback
 from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
-from shared.model.llama import Llama, build_dummy_model, build_model
+from shared.model.llama import Llama, build_dummy_model, build_model, use_layer_ops
 from shared.wire.log import get_logger
 
 log = get_logger(__name__)
@@ -80,6 +81,8 @@ class ModelRunner:
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
         if self.device.type == "cpu" and self.backend is KernelBackend.TORCH and config.kernels == "auto":
             log.warning("decode attention takes the PyTorch reference (slower)", reason=auto_cpu_kernels_error())
+        if self.backend is KernelBackend.CPU:
+            use_layer_ops(self.model, cpu_layer_ops())  # norms, rotary and SwiGLU in C++ too
         self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)

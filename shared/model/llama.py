@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.layer_ops import REFERENCE_OPS, LayerOps
 from shared.model.config import LlamaConfig
 from shared.model.cpu_linear import can_pack, pack_linears
 
@@ -32,15 +33,17 @@ class AttentionContext(Protocol):
 
 
 class RMSNorm(nn.Module):
+    ops: LayerOps = REFERENCE_OPS
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference implementation does, then return to the model dtype.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normalised sum, the sum) of x and the residual stream (x alone when None); normalised in fp32 as the
+        reference implementation does, then returned to the model dtype."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,14 +66,9 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim] rotated by position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
+    ops: LayerOps = REFERENCE_OPS
+
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -88,13 +86,15 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         # q and k heads sit side by side in the projection: rotate them in one pass.
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.ops.apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_idx, q, k, v, qk[:, self.num_heads :])  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
+    ops: LayerOps = REFERENCE_OPS
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -102,9 +102,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # SwiGLU; silu writes a fresh contiguous tensor, multiplied in place (gate and up are strided views).
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -116,10 +114,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two, so that each add
+        is fused into the norm after it. `residual` None: x is the residual stream itself (the first layer)."""
+        hidden, residual = self.input_layernorm(x, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, ctx), residual)
+        return self.mlp(hidden), residual
 
 
 class Llama(nn.Module):
@@ -138,15 +140,22 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size] (after the final norm)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> fp32 logits [n, vocab_size]; call it only on the rows that will be sampled."""
         return self.lm_head(hidden).float()
+
+
+def use_layer_ops(model: nn.Module, ops: LayerOps) -> None:
+    """Run `model`'s norms, rotary and SwiGLU with `ops` (the references by default; the C++ ones on CPU)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | Attention | MLP):
+            module.ops = ops
 
 
 class DenseCausalAttention:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import KernelBackend
+from kernels.layer_ops import apply_rotary_ref
 from shared.engine.batching import ScheduledChunk
 from shared.engine.kv.codec.attention import CodecAttention, CodecStepLayout
 from shared.engine.kv.codec.fused_decode import FusedDecode
@@ -15,7 +16,7 @@ from shared.engine.kv.codec.pool import CodecKvPool
 from shared.engine.sequence import Sequence
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 from shared.wire.protocol import SamplingParams
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 6, 2, 32
@@ -57,13 +58,13 @@ def test_fused_decode_matches_the_reference_path_over_steps(triton_ready: None) 
             spans = [slice(seqs[r].num_computed_tokens, seqs[r].num_computed_tokens + step[r]) for r in order]
             positions = torch.cat([torch.arange(s.start, s.stop) for s in spans])
             cos, sin = rotary.cos_sin(positions, torch.float32)
-            q = apply_rotary(torch.cat([q_all[r][s] for r, s in zip(order, spans, strict=True)]), cos, sin)
+            q = apply_rotary_ref(torch.cat([q_all[r][s] for r, s in zip(order, spans, strict=True)]), cos, sin)
             k_pre = torch.cat([k_all[r][s] for r, s in zip(order, spans, strict=True)])
             v = torch.cat([v_all[r][s] for r, s in zip(order, spans, strict=True)])
             is_fused = name == "triton"
             ctx = CodecAttention(pool, layout, DIM**-0.5, rotary, fused=fused if is_fused else None,
                                  backend=KernelBackend.TRITON if is_fused else KernelBackend.TORCH)
-            outputs[name].append(ctx.attend(0, q, apply_rotary(k_pre, cos, sin), v, k_pre))
+            outputs[name].append(ctx.attend(0, q, apply_rotary_ref(k_pre, cos, sin), v, k_pre))
             for r in order:
                 seqs[r].num_computed_tokens += step[r]
     for expected, got in zip(outputs["torch"], outputs["triton"], strict=True):

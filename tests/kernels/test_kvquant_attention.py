@@ -16,8 +16,9 @@ from kernels.kvquant_attention import kvquant_decode_attention, kvquant_decode_a
 from kernels.kvquant_attention_triton import kvquant_decode_attention_triton
 from kernels.kvquant_layout import KvQuantLayerParams
 from kernels.kvquant_pack import kvquant_pack_ref
+from kernels.layer_ops import apply_rotary_ref
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes are too slow for the interpreter")
@@ -109,7 +110,7 @@ def dense_oracle(batch: Batch, b: int, scale: float) -> torch.Tensor:
     if keys:
         k[:, 0], v[:, 0] = batch.sink_k[b].cpu().double(), batch.sink_v[b].cpu().double()
     cos, sin = batch.rope.cpu().cos_sin(torch.arange(k.shape[1]), torch.float64)
-    k = apply_rotary(k.transpose(0, 1), cos, sin).transpose(0, 1)
+    k = apply_rotary_ref(k.transpose(0, 1), cos, sin).transpose(0, 1)
     tail = int(batch.tail_lens[b])
     k = torch.cat([k, batch.tail_k[b, :, :tail].cpu().double()], dim=1)
     v = torch.cat([v, batch.tail_v[b, :, :tail].cpu().double()], dim=1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.layer_ops import apply_rotary_ref
 from shared.engine.batching import ScheduledChunk
 from shared.engine.kv.codec.attention import CodecAttention, CodecStepLayout
 from shared.engine.kv.codec.pool import CodecKvPool, OutOfTails
@@ -15,7 +16,7 @@ from shared.engine.sequence import Sequence
 from shared.kvcompress import get_codec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 from shared.wire.protocol import SamplingParams
 
 BLOCK = 4
@@ -113,11 +114,11 @@ def test_attention_over_steps_matches_causal_attention_on_codec_rounded_kv(codec
         spans = {r: slice(seqs[r].num_computed_tokens, seqs[r].num_computed_tokens + step[r]) for r in order}
         positions = torch.cat([torch.arange(spans[r].start, spans[r].stop) for r in order])
         cos, sin = rotary.cos_sin(positions, torch.float32)
-        q = apply_rotary(torch.cat([q_all[r][spans[r]] for r in order]), cos, sin)
+        q = apply_rotary_ref(torch.cat([q_all[r][spans[r]] for r in order]), cos, sin)
         k_pre = torch.cat([k_all[r][spans[r]] for r in order])
         v = torch.cat([v_all[r][spans[r]] for r in order])
         ctx = CodecAttention(pool, layout, DIM**-0.5, rotary)
-        out = ctx.attend(0, q, apply_rotary(k_pre, cos, sin), v, k_pre)
+        out = ctx.attend(0, q, apply_rotary_ref(k_pre, cos, sin), v, k_pre)
         start = 0
         for r in order:
             outputs[r].append(out[start : start + step[r]])
@@ -128,7 +129,7 @@ def test_attention_over_steps_matches_causal_attention_on_codec_rounded_kv(codec
     for r, n in total.items():
         cos_all, sin_all = rotary.cos_sin(torch.arange(n), torch.float32)
         # The codec sees keys before RoPE (kvquant) or after (uniform codecs), as the pool stores them.
-        k_stored = k_all[r] if codec.keys_before_rope else apply_rotary(k_all[r], cos_all, sin_all)
+        k_stored = k_all[r] if codec.keys_before_rope else apply_rotary_ref(k_all[r], cos_all, sin_all)
         got = torch.cat(outputs[r])
         expected = []
         for i in range(n):
@@ -141,8 +142,8 @@ def test_attention_over_steps_matches_causal_attention_on_codec_rounded_kv(codec
                 kd, vd = codec.decode(data, KV_HEADS, BLOCK, DIM, torch.float32, starts_sequence=block == 0)
                 k_ctx[span], v_ctx[span] = kd.transpose(0, 1), vd.transpose(0, 1)
             cos, sin = cos_all[: i + 1], sin_all[: i + 1]
-            keys = apply_rotary(k_ctx, cos, sin) if codec.keys_before_rope else k_ctx
-            query = apply_rotary(q_all[r][i : i + 1], cos[i : i + 1], sin[i : i + 1])
+            keys = apply_rotary_ref(k_ctx, cos, sin) if codec.keys_before_rope else k_ctx
+            query = apply_rotary_ref(q_all[r][i : i + 1], cos[i : i + 1], sin[i : i + 1])
             attended = F.scaled_dot_product_attention(
                 query.transpose(0, 1), keys.transpose(0, 1), v_ctx.transpose(0, 1), enable_gqa=True
             )

@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
+from kernels.layer_ops import apply_rotary_ref
 from shared.kvcompress import get_codec
 from shared.kvcompress.codec import KvCodec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.uniform import Fp16Codec
 from shared.model.config import LlamaConfig
-from shared.model.llama import AttentionContext, DenseCausalAttention, Llama, RotaryEmbedding, apply_rotary
+from shared.model.llama import AttentionContext, DenseCausalAttention, Llama, RotaryEmbedding
 from shared.tools.eval.codec_attention import DenseCodecAttention, block_visibility
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -28,7 +29,7 @@ def random_qkv(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     k_pre = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g) * 2 + 0.3
     v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g)
     cos, sin = ROTARY.cos_sin(torch.arange(num_tokens), torch.float32)
-    return q, apply_rotary(q, cos, sin), apply_rotary(k_pre, cos, sin), v, k_pre
+    return q, apply_rotary_ref(q, cos, sin), apply_rotary_ref(k_pre, cos, sin), v, k_pre
 
 
 def codec_attend(codec: KvCodec, block_size: int, num_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +55,7 @@ def oracle(codec: KvCodec, block_size: int, num_tokens: int, seed: int = 0) -> t
         k_dec[s], v_dec[s] = kb.transpose(0, 1), vb.transpose(0, 1)
     if codec.keys_before_rope:
         cos, sin = ROTARY.cos_sin(torch.arange(num_tokens), torch.float32)
-        k_dec = apply_rotary(k_dec, cos, sin)
+        k_dec = apply_rotary_ref(k_dec, cos, sin)
     coded, exact = block_visibility(num_tokens, block_size)
     out = torch.empty_like(q)
     for h in range(HEADS):

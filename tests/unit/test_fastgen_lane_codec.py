@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels.bitpack import packed_num_bytes
+from kernels.layer_ops import apply_rotary_ref
 from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.kvquant import KvQuantCodec
 from shared.model.config import LlamaConfig
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 from shared.tools.eval.fastgen_codecs import KvServing, ServedKv, build_kv_serving
 from shared.tools.eval.text_spans import read_tokens
 
@@ -188,7 +189,7 @@ def rotated(k: torch.Tensor, start: int = 0) -> torch.Tensor:
     cos, sin = RotaryEmbedding(SMOLLM2.head_dim, 64, SMOLLM2.rope_theta).cos_sin(
         torch.arange(start, start + k.shape[1]), torch.float32
     )
-    return apply_rotary(k, cos.transpose(0, 1), sin.transpose(0, 1))
+    return apply_rotary_ref(k, cos.transpose(0, 1), sin.transpose(0, 1))
 
 
 def blocks_decoded(serving: KvServing, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,11 @@ import dataclasses
 
 import torch
 
+from kernels.layer_ops import apply_rotary_ref
 from shared.engine.kv.codec.pool import CodecKvPool
 from shared.engine.kv.fastgen.lane_store import CodedLaneStore
 from shared.fastgen.lane_codec import LaneCodec
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 from tests.unit.test_codec_pool import BLOCK, DIM, KV_HEADS, kvquant_codec, tiny_config
 
 LAYERS, BLOCKS = 2, 5
@@ -47,7 +48,7 @@ def test_entries_read_as_their_records_decode_or_whole_from_the_ring() -> None:
     k_coded, v_coded = codec.decode(1, heads, codec.encode(1, heads, k, v))
     cos, sin = store.rotary.cos_sin(positions, torch.float32)
     read_k, read_v = store.read(1, heads, addresses, positions)
-    torch.testing.assert_close(read_k, apply_rotary(k_coded[:, None], cos, sin)[:, 0])
+    torch.testing.assert_close(read_k, apply_rotary_ref(k_coded[:, None], cos, sin)[:, 0])
     torch.testing.assert_close(read_v, v_coded)
     assert not torch.allclose(read_v, v, atol=1e-3)  # a record is lossy
 
@@ -59,7 +60,7 @@ def test_entries_read_as_their_records_decode_or_whole_from_the_ring() -> None:
     recent = positions >= positions[-1] - 1  # the last two entries count as recent
     read_k, read_v = store.read(1, heads, addresses, positions, (rings, recent))
     torch.testing.assert_close(read_v[recent], v[recent])  # whole from the ring
-    torch.testing.assert_close(read_k[recent], apply_rotary(k[:, None], cos, sin)[:, 0][recent])
+    torch.testing.assert_close(read_k[recent], apply_rotary_ref(k[:, None], cos, sin)[:, 0][recent])
     torch.testing.assert_close(read_v[~recent], v_coded[~recent])
 
 

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kvquant_format import normalize_blocks, top_mask
+from kernels.layer_ops import apply_rotary_ref
 from shared.kvcompress.calibration import KvCalibration
 from shared.kvcompress.names import KVQUANT_BITS, KVQUANT_OUTLIER_FRACTION
 from shared.model.checkpoint import Checkpoint
-from shared.model.llama import Llama, apply_rotary, build_model
+from shared.model.llama import Llama, build_model
 from shared.tools.calibrate.kmeans import weighted_kmeans_1d
 
 DEFAULT_OUTLIER_FRACTION = KVQUANT_OUTLIER_FRACTION
@@ -79,7 +80,7 @@ class _CaptureAttention:
     ) -> torch.Tensor:
         self.keys.append(k_pre_rope)
         self.values.append(v)
-        rotated = apply_rotary(k_pre_rope, self.cos, self.sin)
+        rotated = apply_rotary_ref(k_pre_rope, self.cos, self.sin)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), rotated.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
         )

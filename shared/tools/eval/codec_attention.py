@@ -13,9 +13,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.layer_ops import apply_rotary_ref
 from shared.kvcompress.codec import KvCodec
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 
 
 def block_visibility(num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +119,7 @@ class DenseCodecAttention:
         if codec.keys_before_rope:
             positions = torch.arange(num_coded, device=self.rotary.cos.device)
             cos, sin = self.rotary.cos_sin(positions, k.dtype)
-            k_out = apply_rotary(k_out, cos.to(k.device), sin.to(k.device))
+            k_out = apply_rotary_ref(k_out, cos.to(k.device), sin.to(k.device))
         return k_out, v_out
 
 

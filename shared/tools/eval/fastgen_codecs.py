@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.layer_ops import apply_rotary_ref
 from shared.env_vars import default_int
 from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.bundled import resolve_calibration
@@ -25,7 +26,7 @@ from shared.kvcompress.kvquant import KvQuantCodec
 from shared.kvcompress.names import CALIBRATED_CODEC_NAMES
 from shared.kvcompress.registry import layer_codecs
 from shared.model.config import LlamaConfig
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 
 LANE_CODECS = CALIBRATED_CODEC_NAMES  # kvquant-4, -3, -2: the codecs lane records exist for
 DEFAULT_BLOCK_SIZE = default_int("TSUKIMI_BLOCK_SIZE")  # the engine's
@@ -152,5 +153,5 @@ class ServedKv:
         """k (before RoPE), v: [kv_heads, n, D], to positions start .. start + n - 1."""
         positions = torch.arange(start, start + k.shape[1])
         cos, sin = self.rotary.cos_sin(positions, k_cache.dtype)  # [n, 1, D]
-        k_cache[:, positions] = apply_rotary(k.to(k_cache.dtype), cos.transpose(0, 1), sin.transpose(0, 1))
+        k_cache[:, positions] = apply_rotary_ref(k.to(k_cache.dtype), cos.transpose(0, 1), sin.transpose(0, 1))
         v_cache[:, positions] = v.to(v_cache.dtype)

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
+from kernels.layer_ops import apply_rotary_ref
 from shared.engine.batching import ScheduledChunk
 from shared.engine.kv.codec.fused_decode import DecodeBatch, FusedDecode
 from shared.engine.kv.codec.pool import CodecKvPool
 from shared.engine.kv.store import LayerCallback
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class CodecAttention:
             keys = torch.cat(parts_k)[: view.context_len]
             values = torch.cat(parts_v)[: view.context_len]
             if pool.keys_before_rope:
-                keys = apply_rotary(keys, self.cos[: view.context_len], self.sin[: view.context_len])
+                keys = apply_rotary_ref(keys, self.cos[: view.context_len], self.sin[: view.context_len])
             queries = slice(view.first_query, view.first_query + view.num_tokens)
             out[queries] = self._attend_one(q[queries], keys, values, view)
         return out

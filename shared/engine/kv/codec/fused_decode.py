@@ -16,9 +16,10 @@ from kernels.backend import KernelBackend
 from kernels.kvquant_attention import kvquant_decode_attention
 from kernels.kvquant_layout import KvQuantLayerParams, check_kernel_layout
 from kernels.kvquant_pack import kvquant_pack
+from kernels.layer_ops import apply_rotary_ref
 from shared.engine.kv.codec.pool import CodecKvPool
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class FusedDecode:
         tail_v = torch.zeros_like(tail_k)
         for b, (row, packed, length) in enumerate(zip(batch.rows, batch.packed_counts, batch.tail_counts, strict=True)):
             start = packed * size
-            keys = apply_rotary(staged_k[row, :length], cos[start : start + length], sin[start : start + length])
+            keys = apply_rotary_ref(staged_k[row, :length], cos[start : start + length], sin[start : start + length])
             tail_k[b, :, :length] = keys.transpose(0, 1).to(q.dtype)
             tail_v[b, :, :length] = staged_v[row, :length].transpose(0, 1).to(q.dtype)
         sink = pool.sinks[layer_idx].index_select(0, batch.first_ids).view(torch.float16).view(-1, 2, heads, dim)

@@ -25,10 +25,11 @@ from typing import Protocol
 
 import torch
 
+from kernels.layer_ops import apply_rotary_ref
 from shared.engine.kv.codec.pool import CodecKvPool
 from shared.fastgen.lane_codec import LaneCodec
 from shared.kvcompress.kvquant import KvQuantCodec
-from shared.model.llama import RotaryEmbedding, apply_rotary
+from shared.model.llama import RotaryEmbedding
 
 
 class LaneStore(Protocol):
@@ -193,7 +194,7 @@ class CodedLaneStore:
             k[picked] = self.pool.tails[layer, 0][where].float()
             v[picked] = self.pool.tails[layer, 1][where].float()
         cos, sin = self.rotary.cos_sin(positions.to(self.rotary.cos.device), torch.float32)
-        k = apply_rotary(k[:, None], cos.to(k.device), sin.to(k.device))[:, 0]
+        k = apply_rotary_ref(k[:, None], cos.to(k.device), sin.to(k.device))[:, 0]
         return k.to(self.dtype), v.to(self.dtype)
 
     def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
@@ -212,7 +213,7 @@ class CodedLaneStore:
     def prompt_keys(self, layer: int, seq_id: Hashable, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         keys = self.read_prompt(layer, seq_id, block_ids, num_tokens)[0].transpose(0, 1)  # [n, kv_heads, D]
         cos, sin = self.rotary.cos_sin(torch.arange(num_tokens, device=self.rotary.cos.device), keys.dtype)
-        return apply_rotary(keys, cos.to(keys.device), sin.to(keys.device)).transpose(0, 1)
+        return apply_rotary_ref(keys, cos.to(keys.device), sin.to(keys.device)).transpose(0, 1)
 
     def open_ring(self, seq_id: Hashable) -> int | None:
         return self.pool.tail(seq_id)
