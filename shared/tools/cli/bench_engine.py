@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shared.engine.engine import LLMEngine
+from shared.env_vars import default_int
 from shared.model.checkpoint import load_checkpoint
 from shared.model.config import LlamaConfig
 from shared.tools.bench.hf_baseline import random_prompts
@@ -69,7 +70,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser(
         "engine", help="engine throughput against transformers",
         description="Measure tsukimi's engine and Hugging Face transformers `generate` in the same run with the "
-        "same model, dtype and random prompts: prefill tokens/s (whole batch in one pass) and decode tokens/s "
+        "same model, dtype and random prompts: prefill tokens/s (tsukimi in steps of --max-batched-tokens, as it "
+        "serves; transformers the whole batch in one pass, its only way) and decode tokens/s "
         "(decode only: for transformers, a run of gen-len+1 tokens minus a run of 1). Also prints this machine's "
         "roofline for one decode step (weights and KV over measured memory bandwidth, FLOPs over measured "
         "matmul peak), the weight-streaming bound (weights over the rate a decode-shaped matmul streams them) and "
@@ -80,6 +82,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per prompt (default: 128)")
     parser.add_argument("--gen-len", type=positive_int, default=32, help="decode tokens measured (default: 32)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; median (default: 3)")
+    parser.add_argument(
+        "--max-batched-tokens", type=positive_int, default=default_int("TSUKIMI_MAX_BATCHED_TOKENS"),
+        help="tsukimi's tokens per step, the prefill chunk (default: %(default)s, as `tsukimi up`)",
+    )
     parser.add_argument("--skip-transformers", action="store_true", help="measure tsukimi only")
     parser.add_argument("--json", action="store_true", help="print one JSON object with `results`")
     add_engine_args(parser)
@@ -87,23 +93,36 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def measure_tsukimi(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> EngineResult:
-    """Prefill the whole batch, then decode gen_len tokens per sequence; prefix caching must be off."""
-    params = SamplingParams(max_tokens=gen_len + 1, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+    """Prefill alone (the prompts with one token each, as transformers' prefill is measured), then the prompts again
+    with gen_len + 1 tokens, decode timed over the steps that run the whole batch (chunked prefill lets the first
+    prompts decode while the last are still prefilling, and lets them finish first); prefix caching must be off."""
+
+    def submit(max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+
+    submit(1)
     start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    prefill_s = time.perf_counter() - start
+    submit(gen_len + 1)
     started: set[str] = set()
     while len(started) < len(prompts):
         started.update(out.request_id for out in engine.step())
-    prefilled = time.perf_counter()
+    full_steps: list[float] = []  # every sequence decoding
     while engine.has_unfinished():
-        engine.step()
-    end = time.perf_counter()
-    num_prompt_tokens = sum(len(p) for p in prompts)
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        if len(outputs) == len(prompts):
+            full_steps.append(time.perf_counter() - step_start)
+    if not full_steps:
+        raise CliError(f"no decode step ran the whole batch of {len(prompts)}: raise --gen-len")
+    step_s = sum(full_steps) / len(full_steps)
     return EngineResult(
-        prefill_tok_s=num_prompt_tokens / (prefilled - start),
-        decode_tok_s=len(prompts) * gen_len / (end - prefilled),
-        decode_step_s=(end - prefilled) / gen_len,
+        prefill_tok_s=sum(len(p) for p in prompts) / prefill_s, decode_tok_s=len(prompts) / step_s,
+        decode_step_s=step_s,
     )
 
 
@@ -170,10 +189,9 @@ def _bench_row(setup: _Setup, batch_size: int, args: argparse.Namespace) -> Benc
 
 
 def run(args: argparse.Namespace) -> int:
-    largest = max(args.batch_sizes) * args.prompt_len
     config = engine_config_from_args(
         args, enable_prefix_caching=False, max_num_seqs=max(args.batch_sizes),
-        max_num_batched_tokens=max(2048, largest),
+        max_num_batched_tokens=args.max_batched_tokens,
     )
     _log("loading the model...")
     try:
