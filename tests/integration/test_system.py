@@ -137,12 +137,13 @@ async def test_two_of_each_both_receive_work_and_a_repeated_prompt_is_reused(sys
         if both_used():
             break
     assert both_used(), seen
-    # A long prompt; then, while a long cold prompt keeps that instance busy, the same prompt again: the Conductor
-    # sends the repeat to the idle instance, which fetches the prefix from the cache-store instead of computing it.
+    # A long prompt; then, while a long cold prompt keeps one instance busy, the same prompt again: the Conductor
+    # sends the repeat to the idle instance, which reuses the prefix (from the cache-store when the busy one holds it)
+    # instead of computing it.
     seen.clear()
     prompt = "Summarize this document in one sentence:\n" + LONG_TEXT
     first = await ask(prompt)
-    (first_prefill,) = [s for s in seen if ".prefill." in s]
+    assert len([s for s in seen if ".prefill." in s]) == 1
     await asyncio.sleep(2.0)  # the first run's blocks reach the cache-store off the critical path
     filler = asyncio.create_task(ask("Translate this into French:\n" + OTHER_TEXT))
     while len([s for s in seen if ".prefill." in s]) < 2:
@@ -151,8 +152,8 @@ async def test_two_of_each_both_receive_work_and_a_repeated_prompt_is_reused(sys
     _, filler_prefill, repeat_prefill = [s for s in seen if ".prefill." in s]
     await filler
     assert first.usage.prompt_tokens > 400
-    assert filler_prefill == first_prefill  # both idle, no cache hit: the tie goes to the first instance
-    assert repeat_prefill != first_prefill, "the repeat should avoid the busy instance"
+    # Both idle and no cache hit, the filler goes where the prefill cost fitted online is lower: either instance.
+    assert repeat_prefill != filler_prefill, "the repeat should avoid the busy instance"
     assert second.usage.prompt_tokens_details.cached_tokens > 0.5 * first.usage.prompt_tokens
     assert second.choices[0].message.content == first.choices[0].message.content
     await client.close()
