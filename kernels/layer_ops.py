@@ -60,7 +60,7 @@ def add_rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm_ref` in one C++ pass (rows of x and residual contiguous)."""
     normed, total = torch.ops.tsukimi_cpu.add_rms_norm(x, residual, weight, float(eps))
-    return normed, total
+    return normed, (x if residual is None else total)
 
 
 def apply_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

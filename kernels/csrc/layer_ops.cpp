@@ -84,7 +84,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
                 x.sizes());
   }
   at::Tensor normed = at::empty(x.sizes(), x.options());
-  at::Tensor sum = residual.has_value() ? at::empty(x.sizes(), x.options()) : x;
+  // Without a residual the sum is x itself, which the caller has: an empty tensor here, never an alias of an input
+  // (the schema promises fresh outputs).
+  at::Tensor sum = at::empty(residual.has_value() ? x.sizes() : at::IntArrayRef{0}, x.options());
   const at::Tensor* res = residual.has_value() ? &residual.value() : nullptr;
   at::Tensor* sum_out = residual.has_value() ? &sum : nullptr;
   switch (x.scalar_type()) {
