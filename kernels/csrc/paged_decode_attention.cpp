@@ -202,36 +202,52 @@ inline const scalar_t* table_block(const scalar_t* pool, const int32_t* table, i
   return pool + static_cast<int64_t>(table[j]) * block_elems;
 }
 
-// kHeadDim > 0: the head size known at compile time (the inner loops unroll; per-row loop overhead otherwise costs
-// more than the arithmetic at head sizes of 64-128); 0: taken from `dynamic_head_dim`.
-template <typename scalar_t, int64_t kHeadDim>
-void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
-                int64_t context_len, int64_t groups, int64_t dynamic_head_dim, int64_t block_size, float scale,
-                float* scores, float* query, float* acc, uint16_t* probs16, scalar_t* out) {
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : dynamic_head_dim;
-  const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-  // q and out point at this KV head's first query head; k_cache and v_cache at this KV head's first block.
-  float score_scale = 1.0f;  // what the softmax multiplies scores by: the query is scaled, except on the bf16 path
+// One (sequence, KV head) of the pool: its blocks of K and V in table order, the next one prefetched.
+template <typename scalar_t>
+struct HeadBlocks {
+  const scalar_t* k_cache;  // this KV head's first block
+  const scalar_t* v_cache;
+  const int32_t* table;
+  int64_t context_len, block_size, head_dim;
+
+  int64_t num_blocks() const { return (context_len + block_size - 1) / block_size; }
+  int64_t first(int64_t j) const { return j * block_size; }  // the position of block j's first token
+  int64_t count(int64_t j) const { return std::min(block_size, context_len - first(j)); }
+  const scalar_t* keys(int64_t j) const { return table_block(k_cache, table, j, num_blocks(), block_size * head_dim); }
+  const scalar_t* values(int64_t j) const {
+    return table_block(v_cache, table, j, num_blocks(), block_size * head_dim);
+  }
+};
+
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0) {
-    for (int64_t j = 0; j < num_blocks; ++j) {
-      const scalar_t* block = table_block(k_cache, table, j, num_blocks, block_size * head_dim);
-      const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
+template <typename scalar_t, int64_t kHeadDim>
+constexpr bool kBf16Dots = std::is_same_v<scalar_t, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0;
+#endif
+
+// scores[g * context_len + t] = the query of head g . key t, for the group's `groups` query heads (q: the first).
+// Returns what the softmax must multiply them by: `scale`, or 1 where the query was scaled first.
+template <typename scalar_t, int64_t kHeadDim>
+float compute_scores(const scalar_t* q, const HeadBlocks<scalar_t>& head, int64_t groups, float scale, float* query,
+                     float* scores) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head.head_dim, context_len = head.context_len;
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16Dots<scalar_t, kHeadDim>) {
+    for (int64_t j = 0; j < head.num_blocks(); ++j) {
+      const scalar_t* block = head.keys(j);
       for (int64_t g = 0; g < groups; ++g) {
-        row_scores_bf16<kHeadDim>(q + g * head_dim, block, count, scores + g * context_len + first);
+        row_scores_bf16<kHeadDim>(q + g * head_dim, block, head.count(j), scores + g * context_len + head.first(j));
       }
     }
-    score_scale = scale;
-  } else
+    return scale;
+  }
 #endif
-  {
   for (int64_t g = 0; g < groups; ++g) {
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] = to_float(q[g * head_dim + d]) * scale;
   }
-  for (int64_t j = 0; j < num_blocks; ++j) {
-    const scalar_t* block = table_block(k_cache, table, j, num_blocks, block_size * head_dim);
-    const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
+  for (int64_t j = 0; j < head.num_blocks(); ++j) {
+    const scalar_t* block = head.keys(j);
+    const int64_t first = head.first(j), count = head.count(j);
 #if defined(__AVX512F__)
     if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -251,7 +267,11 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       }
     }
   }
-  }
+  return 1.0f;
+}
+
+// Each of the `groups` rows of `context_len` scores, times `score_scale`, into probabilities.
+inline void softmax_rows(float* scores, int64_t groups, int64_t context_len, float score_scale) {
   for (int64_t g = 0; g < groups; ++g) {
     float* row = scores + g * context_len;
     float top = -FLT_MAX;
@@ -267,13 +287,19 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
 #pragma omp simd
     for (int64_t t = 0; t < context_len; ++t) row[t] *= inv;
   }
-  bool accumulated = false;
+}
+
+// acc[g * head_dim + d] = sum_t probs[g * context_len + t] * value t [d], for the group's query heads.
+template <typename scalar_t, int64_t kHeadDim>
+void weigh_values(const float* probs, const HeadBlocks<scalar_t>& head, int64_t groups, uint16_t* probs16,
+                  float* acc) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head.head_dim, context_len = head.context_len;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHeadDim > 0 && kHeadDim % 32 == 0) {
-    const int64_t total = groups * context_len;  // scores' rows are back to back: convert them in one pass
+  if constexpr (kBf16Dots<scalar_t, kHeadDim>) {
+    const int64_t total = groups * context_len;  // the rows are back to back: to bf16 in one pass
     for (int64_t t = 0; t < total; t += 16) {
       const __mmask16 mask = static_cast<__mmask16>(total - t >= 16 ? 0xFFFF : (1u << (total - t)) - 1);
-      const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, scores + t));
+      const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, probs + t));
       _mm256_mask_storeu_epi16(probs16 + t, mask, (__m256i)half);
     }
     constexpr int kChunks = kHeadDim / 32, kTile = 8 / kChunks;  // 16 accumulator registers (lo and hi)
@@ -281,11 +307,9 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       const int tile = static_cast<int>(std::min<int64_t>(kTile, groups - g0));
       __m512 sums[kTile * kChunks * 2];
       for (auto& sum : sums) sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const scalar_t* block = table_block(v_cache, table, j, num_blocks, block_size * head_dim);
-        const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
-        weighted_rows_bf16<kHeadDim, kTile>(probs16 + g0 * context_len + first, context_len, tile, block, count,
-                                            sums);
+      for (int64_t j = 0; j < head.num_blocks(); ++j) {
+        weighted_rows_bf16<kHeadDim, kTile>(probs16 + g0 * context_len + head.first(j), context_len, tile,
+                                            head.values(j), head.count(j), sums);
       }
       for (int g = 0; g < tile; ++g) {
         for (int c = 0; c < kChunks; ++c) {
@@ -294,46 +318,53 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
         }
       }
     }
-    accumulated = true;
+    return;
   }
 #endif
 #if defined(__AVX512F__)
-  if (accumulated) {
-  } else if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
     constexpr int kChunks = kHeadDim / 16, kTile = 16 / kChunks;  // 16 accumulator registers
     for (int64_t g0 = 0; g0 < groups; g0 += kTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kTile, groups - g0));
       __m512 sums[kTile * kChunks];
       for (auto& sum : sums) sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const scalar_t* block = table_block(v_cache, table, j, num_blocks, block_size * head_dim);
-        const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
-        weighted_rows<scalar_t, kHeadDim, kTile>(scores + g0 * context_len + first, context_len, tile, block, count,
-                                                 sums);
+      for (int64_t j = 0; j < head.num_blocks(); ++j) {
+        weighted_rows<scalar_t, kHeadDim, kTile>(probs + g0 * context_len + head.first(j), context_len, tile,
+                                                 head.values(j), head.count(j), sums);
       }
       for (int g = 0; g < tile; ++g) {
         for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + (g0 + g) * head_dim + 16 * c, sums[g * kChunks + c]);
       }
     }
-    accumulated = true;
+    return;
   }
 #endif
-  if (!accumulated) {
-    std::memset(acc, 0, sizeof(float) * groups * head_dim);
-    for (int64_t j = 0; j < num_blocks; ++j) {
-      const scalar_t* block = table_block(v_cache, table, j, num_blocks, block_size * head_dim);
-      const int64_t first = j * block_size, count = std::min(block_size, context_len - first);
-      for (int64_t i = 0; i < count; ++i) {
-        const scalar_t* value = block + i * head_dim;
-        for (int64_t g = 0; g < groups; ++g) {
-          const float p = scores[g * context_len + first + i];
-          float* ag = acc + g * head_dim;
+  std::memset(acc, 0, sizeof(float) * groups * head_dim);
+  for (int64_t j = 0; j < head.num_blocks(); ++j) {
+    const scalar_t* block = head.values(j);
+    const int64_t first = head.first(j);
+    for (int64_t i = 0; i < head.count(j); ++i) {
+      const scalar_t* value = block + i * head_dim;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float p = probs[g * context_len + first + i];
+        float* ag = acc + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(value[d]);
-        }
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(value[d]);
       }
     }
   }
+}
+
+// kHeadDim > 0: the head size known at compile time (the inner loops unroll; per-row loop overhead otherwise costs
+// more than the arithmetic at head sizes of 64-128); 0: taken from `head.head_dim`. Likewise in the stages.
+template <typename scalar_t, int64_t kHeadDim>
+void decode_one(const scalar_t* q, const HeadBlocks<scalar_t>& head, int64_t groups, float scale, float* scores,
+                float* query, float* acc, uint16_t* probs16, scalar_t* out) {
+  // q and out point at this KV head's first query head.
+  const float score_scale = compute_scores<scalar_t, kHeadDim>(q, head, groups, scale, query, scores);
+  softmax_rows(scores, groups, head.context_len, score_scale);
+  weigh_values<scalar_t, kHeadDim>(scores, head, groups, probs16, acc);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head.head_dim;
   for (int64_t g = 0; g < groups; ++g) {
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d]);
@@ -372,10 +403,10 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       const scalar_t* v_head = v_ptr + h * head_stride;
       const int32_t* table = tables + b * max_blocks;
       auto run = [&](auto head_dim_constant) {
+        const HeadBlocks<scalar_t> head{k_head, v_head, table, lens[b], block_size, head_dim};
         decode_one<scalar_t, decltype(head_dim_constant)::value>(
-            q_ptr + b * q_row_stride + first_head, k_head, v_head, table, lens[b], groups, head_dim, block_size,
-            static_cast<float>(scale), scores.data(), query.data(), acc.data(), probs16.data(),
-            out_ptr + b * num_heads * head_dim + first_head);
+            q_ptr + b * q_row_stride + first_head, head, groups, static_cast<float>(scale), scores.data(),
+            query.data(), acc.data(), probs16.data(), out_ptr + b * num_heads * head_dim + first_head);
       };
       if (head_dim == 64) {
         run(std::integral_constant<int64_t, 64>{});
