@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
+HEADERS = [CSRC / "cpu_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
 
@@ -44,7 +46,7 @@ def _cpu_flags() -> str:
 
 def _library_name() -> str:
     digest = hashlib.sha256()
-    for part in (torch.__version__, " ".join(FLAGS), _cpu_flags(), *(s.read_text() for s in SOURCES)):
+    for part in (torch.__version__, " ".join(FLAGS), _cpu_flags(), *(s.read_text() for s in SOURCES + HEADERS)):
         digest.update(part.encode())
     return f"tsukimi_cpu_{digest.hexdigest()[:16]}.so"
 

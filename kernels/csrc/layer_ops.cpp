@@ -1,37 +1,26 @@
 // The small per-layer ops of a decoder fused into one pass each on CPU: RMSNorm with the residual add before it,
-// rotary position embedding, and SwiGLU's silu(gate) * up. Unfused, each is four to six PyTorch ops over the same few rows (a decode step runs
-// some 300 of them), where dispatch, not arithmetic, is the cost. Oracles: kernels.layer_ops' *_ref functions; this rounds to the model dtype wherever they do, so the results are theirs up to the order of
-// the fp32 sum of squares.
+// rotary position embedding, and SwiGLU's silu(gate) * up. Unfused, each is two to six PyTorch ops over the same
+// rows (a decode step runs hundreds of them), where dispatch, not arithmetic, is the cost. Oracles: the *_ref
+// functions of kernels.layer_ops; this rounds to the model dtype wherever they do, so the results are theirs up to
+// the order of the fp32 sum of squares.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <tuple>
 #include <type_traits>
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
-
-// float -> the dtype, rounding to nearest even; for bf16 branch-free (so the loops vectorize), NaN kept a NaN.
-template <typename scalar_t>
-inline scalar_t from_float(float x) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const uint32_t bits = __builtin_bit_cast(uint32_t, x);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return c10::BFloat16(static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded),
-                         c10::BFloat16::from_bits());
-  } else {
-    return static_cast<scalar_t>(x);
-  }
-}
+using tsukimi_kernels::exp_clamped;
+using tsukimi_kernels::from_float;
+using tsukimi_kernels::to_float;
 
 // Rows per task: small batches (a decode step's) stay on one thread, where a fork would cost more than the work.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
@@ -142,25 +131,6 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
     default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
   }
   return out;
-}
-
-// e^x, x below -87 taken as -87 (e^x ~ 0), above 88 infinity: x = k ln2 + r (|r| <= ln2 / 2), e^r by its degree-7
-// Taylor polynomial, 2^k through the exponent bits. Branch-free, so the loops calling it vectorize.
-inline float exp_clamped(float x_in) {
-  const float x = std::min(std::max(x_in, -87.0f), 88.0f);
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const float k = (x * 1.44269504088896341f + kRound) - kRound;
-  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float result = p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
-  return x_in > 88.0f ? std::numeric_limits<float>::infinity() : result;  // overflows as expf does
 }
 
 // out = dtype(silu(gate)) * up, rounded as the reference's two ops round; gate_up: [rows, 2 * width], gate first.

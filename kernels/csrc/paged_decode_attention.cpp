@@ -14,6 +14,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -24,27 +26,8 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
-
-// e^x for x <= 0 (a score minus the row's max): x = k ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial
-// to degree 7 (relative error below 1e-7), 2^k through the exponent bits. Branch-free, so it vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
+using tsukimi_kernels::exp_clamped;
+using tsukimi_kernels::to_float;
 
 #if defined(__AVX512F__)
 // AVX-512 paths for head sizes that are multiples of 16: the query (or the accumulator) stays in registers, and
@@ -76,24 +59,28 @@ inline __m512 lane_sums(__m512 v[16]) {
                        _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// scores[i] = the sum of the lanes of dot(i) for `count` rows, sixteen rows reduced across lanes together.
+template <typename RowDot>
+inline void lane_summed_rows(int64_t count, float* scores, RowDot dot) {
+  for (int64_t start = 0; start < count; start += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, count - start));
+    __m512 dots[16];
+    for (int i = 0; i < 16; ++i) dots[i] = i < n ? dot(start + i) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(scores + start, static_cast<__mmask16>((1u << n) - 1), lane_sums(dots));
+  }
+}
+
 // scores[i] = query . rows[i] for `count` rows of kHeadDim.
 template <typename scalar_t, int64_t kHeadDim>
 inline void row_scores(const float* query, const scalar_t* rows, int64_t count, float* scores) {
   constexpr int kChunks = kHeadDim / 16;
   __m512 q[kChunks];
   for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
-  for (int64_t start = 0; start < count; start += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, count - start));
-    __m512 dots[16];
-    for (int i = 0; i < 16; ++i) {
-      dots[i] = _mm512_setzero_ps();
-      if (i < n) {
-        const scalar_t* row = rows + (start + i) * kHeadDim;
-        for (int c = 0; c < kChunks; ++c) dots[i] = _mm512_fmadd_ps(q[c], load16(row + 16 * c), dots[i]);
-      }
-    }
-    _mm512_mask_storeu_ps(scores + start, static_cast<__mmask16>((1u << n) - 1), lane_sums(dots));
-  }
+  lane_summed_rows(count, scores, [&](int64_t i) {
+    __m512 dot = _mm512_setzero_ps();
+    for (int c = 0; c < kChunks; ++c) dot = _mm512_fmadd_ps(q[c], load16(rows + i * kHeadDim + 16 * c), dot);
+    return dot;
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -105,20 +92,13 @@ inline void row_scores_bf16(const c10::BFloat16* query, const c10::BFloat16* row
   constexpr int kChunks = kHeadDim / 32;
   __m512bh q[kChunks];
   for (int c = 0; c < kChunks; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
-  for (int64_t start = 0; start < count; start += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, count - start));
-    __m512 dots[16];
-    for (int i = 0; i < 16; ++i) {
-      dots[i] = _mm512_setzero_ps();
-      if (i < n) {
-        const c10::BFloat16* row = rows + (start + i) * kHeadDim;
-        for (int c = 0; c < kChunks; ++c) {
-          dots[i] = _mm512_dpbf16_ps(dots[i], q[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-        }
-      }
+  lane_summed_rows(count, scores, [&](int64_t i) {
+    __m512 dot = _mm512_setzero_ps();
+    for (int c = 0; c < kChunks; ++c) {
+      dot = _mm512_dpbf16_ps(dot, q[c], (__m512bh)_mm512_loadu_si512(rows + i * kHeadDim + 32 * c));
     }
-    _mm512_mask_storeu_ps(scores + start, static_cast<__mmask16>((1u << n) - 1), lane_sums(dots));
-  }
+    return dot;
+  });
 }
 
 // For query heads g0 .. g0 + tile - 1: acc[g][.] += sum_i probs[g * stride + i] * rows[i] over `count` bf16 rows,
@@ -280,7 +260,7 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t context_len, flo
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < context_len; ++t) {
-      row[t] = exp_nonpositive((row[t] - top) * score_scale);
+      row[t] = exp_clamped((row[t] - top) * score_scale);  // <= 0: never past the clamp above
       total += row[t];
     }
     const float inv = 1.0f / total;

@@ -33,11 +33,9 @@ class PrefillSegment:
     num_tokens: int
     context_len: int  # tokens visible after this chunk (cached + earlier chunks + this one)
     block_table: torch.Tensor  # [num_blocks_of_seq]
-
-    @property
-    def is_fresh(self) -> bool:
-        """A whole prompt with nothing before it: it attends only over this step's own k, v."""
-        return self.context_len == self.num_tokens
+    # A whole prompt with nothing before it, where prefill takes the reference: it attends over the step's own k, v
+    # (what the pool holds for it), not over a gather from the pool. The Triton kernel reads the pool in place.
+    own_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,12 +66,7 @@ class StepMetadata:
     decode_context_lens: torch.Tensor  # [num_decode_tokens]
     prefill_segments: list[PrefillSegment]
     padded_prefill: PaddedPrefill | None = None
-
-    @property
-    def fresh_prompts_of_one_length(self) -> bool:
-        """Every prefill segment a whole prompt of one length: one attention call over the step's own k, v."""
-        segments = self.prefill_segments
-        return bool(segments) and all(s.is_fresh and s.num_tokens == segments[0].num_tokens for s in segments)
+    own_kv_prefill: bool = False  # every segment `own_kv`, all of one length: one attention call for them all
 
 
 class PagedAttention:
@@ -109,7 +102,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
-        if meta.fresh_prompts_of_one_length:
+        if meta.own_kv_prefill:
             rows = slice(num_decode, None)
             out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], len(meta.prefill_segments), self.scale)
             return out
@@ -121,7 +114,7 @@ class PagedAttention:
             return out
         for seg in meta.prefill_segments:
             rows = slice(seg.start, seg.start + seg.num_tokens)
-            if seg.is_fresh:
+            if seg.own_kv:
                 out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], 1, self.scale)
                 continue
             out[rows] = paged_prefill_attention(
@@ -156,13 +149,16 @@ def step_metadata(
     width = max((len(t) for t in tables), default=1)
     padded = [t + [0] * (width - len(t)) for t in tables] or [[0]]
     segments: list[PrefillSegment] = []
-    row = len(decode)
+    row, takes_reference = len(decode), backend is not KernelBackend.TRITON
     for chunk in chunks[len(decode) :]:
         context_len = chunk.seq.num_computed_tokens + chunk.num_tokens
-        segments.append(PrefillSegment(row, chunk.num_tokens, context_len, tensor(block_tables[chunk.seq.request_id])))
+        own_kv = takes_reference and chunk.seq.num_computed_tokens == 0
+        segments.append(PrefillSegment(row, chunk.num_tokens, context_len, tensor(block_tables[chunk.seq.request_id]),
+                                       own_kv))
         row += chunk.num_tokens
+    own_kv_prefill = bool(segments) and all(s.own_kv and s.num_tokens == segments[0].num_tokens for s in segments)
     padded_prefill = None  # where prefill takes the reference, batch the step's prefill attention when chunks are alike
-    if backend is not KernelBackend.TRITON and PaddedPrefill.is_worth_it(segments, block_size):
+    if takes_reference and not own_kv_prefill and PaddedPrefill.is_worth_it(segments, block_size):
         prefill_tables = [block_tables[c.seq.request_id][: -(-s.context_len // block_size)]
                           for c, s in zip(chunks[len(decode) :], segments, strict=True)]
         longest = max(len(t) for t in prefill_tables)
@@ -173,6 +169,7 @@ def step_metadata(
         )
     return StepMetadata(
         padded_prefill=padded_prefill,
+        own_kv_prefill=own_kv_prefill,
         slot_mapping=tensor(slots),
         num_decode_tokens=len(decode),
         decode_block_tables=tensor(padded, torch.int32),
