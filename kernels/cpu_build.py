@@ -20,7 +20,7 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
+SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp")]
 HEADERS = [CSRC / "cpu_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
@@ -89,6 +89,11 @@ def cpu_kernels_error() -> str | None:
 def cpu_has_avx512() -> bool:
     """Whether this CPU has AVX-512, which the kernels' fast paths need."""
     return " avx512f " in f"{_cpu_flags()} "
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX-512 bf16 dot products (`vdpbf16ps`), which the prefill kernel is written in."""
+    return " avx512_bf16 " in f"{_cpu_flags()} "
 
 
 def auto_cpu_kernels_error() -> str | None:

@@ -11,8 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
+from kernels.cpu_build import cpu_has_avx512_bf16
 from kernels.kv_layout import pool_dims
-from kernels.paged_attention_cpu import CPU_FAST_HEAD_DIMS, paged_decode_attention_cpu
+from kernels.paged_attention_cpu import (
+    CPU_FAST_HEAD_DIMS,
+    fresh_prefill_attention_cpu,
+    paged_decode_attention_cpu,
+)
 from kernels.paged_attention_triton import (
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
@@ -156,7 +161,7 @@ def paged_prefill_attention_padded_ref(
     return out.transpose(1, 2)[seq_of_row, row_in_seq]
 
 
-def fresh_prefill_attention(
+def fresh_prefill_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float
 ) -> torch.Tensor:
     """Causal attention of `num_seqs` whole prompts of one length over their own k, v, as the step computed them.
@@ -214,6 +219,22 @@ def decode_takes_reference(backend: KernelBackend, head_dim: int) -> bool:
     if backend is KernelBackend.CPU:
         return head_dim not in CPU_FAST_HEAD_DIMS
     return backend is KernelBackend.TORCH
+
+
+def fresh_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float, backend: KernelBackend
+) -> torch.Tensor:
+    """`fresh_prefill_attention_ref`, or on the CPU backend its C++ kernel where it has one (bf16, head sizes 64 and
+    128, a CPU with AVX512-BF16 dot products: 2x PyTorch's SDPA on 256-token prompts)."""
+    if fresh_prefill_takes_kernel(backend, q.dtype, q.shape[-1]):
+        return fresh_prefill_attention_cpu(q, k, v, num_seqs, scale)
+    return fresh_prefill_attention_ref(q, k, v, num_seqs, scale)
+
+
+def fresh_prefill_takes_kernel(backend: KernelBackend, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `fresh_prefill_attention` runs the C++ kernel rather than the reference."""
+    return (backend is KernelBackend.CPU and dtype == torch.bfloat16 and head_dim in CPU_FAST_HEAD_DIMS
+            and cpu_has_avx512_bf16())
 
 
 def paged_prefill_attention(

@@ -39,3 +39,26 @@ def paged_decode_attention_cpu(
         )
     except RuntimeError as exc:  # the kernel's checks (TORCH_CHECK), or a tensor on another device
         raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def fresh_prefill_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float
+) -> torch.Tensor:
+    """`fresh_prefill_attention_ref`'s arguments and result, bf16 at head sizes 64 and 128 on AVX512-BF16 CPUs.
+
+    Raises:
+        ValueError: another dtype or head size, mismatched shapes, or tokens that are not `num_seqs` equal prompts.
+        RuntimeError: the kernels did not build, or were built for a CPU without AVX512-BF16.
+    """
+    error = cpu_kernels_error()
+    if error is not None:
+        raise RuntimeError(error)
+    q, k, v = (x if x.dim() != 3 or (x.stride(2) == 1 and x.stride(1) == x.shape[2]) else x.contiguous()
+               for x in (q, k, v))
+    try:
+        return torch.ops.tsukimi_cpu.prefill_attention(q, k, v, int(num_seqs), float(scale))
+    except RuntimeError as exc:
+        message = str(exc).splitlines()[0]
+        if "without AVX512-BF16" in message:
+            raise
+        raise ValueError(message) from None

@@ -67,7 +67,9 @@ class BlockManager(InvariantChecks):
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks  # set only while registered in _index
         self._block_tokens: list[array[int] | None] = [None] * num_blocks  # same
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack, block 0 on top: the most recently freed block is taken first, its pages already mapped (the CPU pool
+        # maps pages on first touch) and likely still in cache, where taking the oldest cycled through the whole pool.
+        self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, int] = OrderedDict()  # block id -> hash, least recently freed first
         self._index: dict[int, int] = {}  # block hash -> block id
         # block hash -> live sequences' private computed copies of its registered block. One takes the registration
@@ -380,12 +382,12 @@ class BlockManager(InvariantChecks):
         seq.hashes += [h for _, h in chain_hashes(tokens, self._block_size, self._namespace, done, parent)]
 
     def _take_fresh(self, count: int) -> list[int]:
-        """Take ``count`` blocks, free list first, then evicting least recently freed cached ones."""
+        """Take ``count`` blocks, free list first (last freed first), then evicting least recently freed cached ones."""
         taken: list[int] = []
         removed: list[int] = []
         for _ in range(count):
             if self._free:
-                block_id = self._free.popleft()
+                block_id = self._free.pop()
             else:
                 block_id, block_hash = self._evictable.popitem(last=False)
                 del self._index[block_hash]

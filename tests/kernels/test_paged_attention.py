@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from kernels.backend import KernelBackend, select_backend, triton_available
-from kernels.cpu_build import cpu_has_avx512, cpu_kernels_error
+from kernels.cpu_build import cpu_has_avx512, cpu_has_avx512_bf16, cpu_kernels_error
 from kernels.paged_attention import (
     fresh_prefill_attention,
+    fresh_prefill_attention_ref,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -23,7 +24,7 @@ from kernels.paged_attention import (
     store_kv,
     store_kv_ref,
 )
-from kernels.paged_attention_cpu import paged_decode_attention_cpu
+from kernels.paged_attention_cpu import fresh_prefill_attention_cpu, paged_decode_attention_cpu
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol, per dtype
@@ -158,7 +159,7 @@ def test_fresh_prompts_attend_over_their_own_kv_as_over_the_pool(num_seqs: int) 
     q, k, v = fused.split([pool.num_heads, pool.num_kv_heads, pool.num_kv_heads], dim=1)
     slots = torch.cat([tables[s, torch.arange(length) // 4] * 4 + torch.arange(length) % 4 for s in range(num_seqs)])
     store_kv_ref(k_cache, v_cache, k, v, slots)
-    out = fresh_prefill_attention(q, k, v, num_seqs, 0.3)
+    out = fresh_prefill_attention_ref(q, k, v, num_seqs, 0.3)
     expected = paged_prefill_attention_padded_ref(q.contiguous(), k_cache, v_cache, tables, [length] * num_seqs,
                                                   [length] * num_seqs, 0.3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -391,3 +392,83 @@ def test_cpu_decode_kernel_refuses_what_would_read_outside_the_pool(
         tables[1, 0] = bad_block
     with pytest.raises(ValueError, match=match):
         paged_decode_attention_cpu(q, k_cache, v_cache, tables, torch.tensor(lens).int(), 0.3)
+
+
+# ---- the C++ CPU prefill kernel (whole prompts over their own k, v) against the reference ------------------------
+
+BF16_DOTS = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the kernel is written in AVX512-BF16 dot products")
+
+
+def fused_prompts(num_seqs: int, length: int, num_kv_heads: int, groups: int, head_dim: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model has them: strided views of one projection's output, bf16."""
+    gen = seeded(seed, torch.device("cpu"))
+    heads = num_kv_heads * groups
+    fused = torch.randn(num_seqs * length, heads + 2 * num_kv_heads, head_dim, generator=gen).bfloat16()
+    q, k, v = fused.split([heads, num_kv_heads, num_kv_heads], dim=1)
+    return q, k, v
+
+
+@BF16_DOTS
+@pytest.mark.parametrize(
+    "num_seqs, length, num_kv_heads, groups, head_dim",
+    [(8, 96, 3, 3, 64), (1, 1, 3, 3, 64), (2, 37, 3, 3, 64), (3, 33, 2, 4, 128), (1, 100, 1, 8, 64),
+     (2, 65, 4, 1, 128), (1, 70, 2, 5, 64), (1, 300, 8, 4, 128)],
+    ids=["smollm2", "one-token", "odd-length", "llama3-heads", "group-of-8", "no-gqa", "group-of-5", "long"],
+)
+def test_cpu_prefill_kernel_matches_the_reference(
+    num_seqs: int, length: int, num_kv_heads: int, groups: int, head_dim: int
+) -> None:
+    q, k, v = fused_prompts(num_seqs, length, num_kv_heads, groups, head_dim, seed=21)
+    out = fresh_prefill_attention_cpu(q, k, v, num_seqs, head_dim**-0.5)
+    expected = fresh_prefill_attention_ref(q, k, v, num_seqs, head_dim**-0.5)
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@BF16_DOTS
+def test_cpu_prefill_kernel_sees_no_later_token_and_no_other_prompt() -> None:
+    """Non-finite k and v at a position reach no query before it, and nothing of the prompt after it (an odd row
+    count's pad key is zeroed, not only weighted zero)."""
+    num_seqs, length = 3, 21
+    q, k, v = fused_prompts(num_seqs, length, 3, 3, 64, seed=22)
+    clean = fresh_prefill_attention_cpu(q, k, v, num_seqs, 0.125)
+    poisoned = 1 * length + 12  # the second prompt's token 12
+    k[poisoned], v[poisoned] = float("nan"), float("inf")
+    out = fresh_prefill_attention_cpu(q, k, v, num_seqs, 0.125)
+    assert torch.equal(out[:poisoned], clean[:poisoned])
+    assert torch.equal(out[2 * length :], clean[2 * length :])
+    assert not torch.isfinite(out[poisoned : 2 * length].float()).all()
+
+
+@BF16_DOTS
+def test_the_prefill_dispatcher_takes_the_kernel_only_where_it_has_one() -> None:
+    q, k, v = fused_prompts(2, 40, 3, 3, 64, seed=23)
+    kernel = fresh_prefill_attention_cpu(q, k, v, 2, 0.125)
+    assert torch.equal(fresh_prefill_attention(q, k, v, 2, 0.125, KernelBackend.CPU), kernel)
+    reference = fresh_prefill_attention_ref(q, k, v, 2, 0.125)
+    assert torch.equal(fresh_prefill_attention(q, k, v, 2, 0.125, KernelBackend.TORCH), reference)
+    q32, k32, v32 = q.float(), k.float(), v.float()  # no fp32 path: the reference
+    assert torch.equal(fresh_prefill_attention(q32, k32, v32, 2, 0.125, KernelBackend.CPU),
+                       fresh_prefill_attention_ref(q32, k32, v32, 2, 0.125))
+
+
+@BF16_DOTS
+@pytest.mark.parametrize(
+    "change, match",
+    [("fp32", "bf16 only"), ("head-24", "head size 64 or 128"), ("uneven", "prompts of one length"),
+     ("heads", "multiple of KV heads")],
+)
+def test_cpu_prefill_kernel_refuses_what_it_cannot_compute(change: str, match: str) -> None:
+    q, k, v = fused_prompts(2, 8, 2, 2, 64, seed=24)
+    num_seqs = 2
+    if change == "fp32":
+        q = q.float()
+    elif change == "head-24":
+        q, k, v = fused_prompts(2, 8, 2, 2, 24, seed=24)
+    elif change == "uneven":
+        num_seqs = 3
+    else:
+        q = q[:, :3]
+    with pytest.raises(ValueError, match=match):
+        fresh_prefill_attention_cpu(q, k, v, num_seqs, 0.125)

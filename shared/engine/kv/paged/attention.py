@@ -104,7 +104,9 @@ class PagedAttention:
             out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
         if meta.own_kv_prefill:
             rows = slice(num_decode, None)
-            out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], len(meta.prefill_segments), self.scale)
+            out[rows] = fresh_prefill_attention(
+                q[rows], k[rows], v[rows], len(meta.prefill_segments), self.scale, backend
+            )
             return out
         if meta.padded_prefill is not None:
             batch = meta.padded_prefill
@@ -115,7 +117,7 @@ class PagedAttention:
         for seg in meta.prefill_segments:
             rows = slice(seg.start, seg.start + seg.num_tokens)
             if seg.own_kv:
-                out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], 1, self.scale)
+                out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], 1, self.scale, backend)
                 continue
             out[rows] = paged_prefill_attention(
                 q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
