@@ -13,11 +13,7 @@ import torch.nn.functional as F
 from kernels.backend import KernelBackend
 from kernels.cpu_build import cpu_has_avx512_bf16
 from kernels.kv_layout import pool_dims
-from kernels.paged_attention_cpu import (
-    CPU_FAST_HEAD_DIMS,
-    fresh_prefill_attention_cpu,
-    paged_decode_attention_cpu,
-)
+from kernels.paged_attention_cpu import CPU_FAST_HEAD_DIMS, paged_decode_attention_cpu
 from kernels.paged_attention_triton import (
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
@@ -221,18 +217,10 @@ def decode_takes_reference(backend: KernelBackend, head_dim: int) -> bool:
     return backend is KernelBackend.TORCH
 
 
-def fresh_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float, backend: KernelBackend
-) -> torch.Tensor:
-    """`fresh_prefill_attention_ref`, or on the CPU backend its C++ kernel where it has one (bf16, head sizes 64 and
-    128, a CPU with AVX512-BF16 dot products: 2x PyTorch's SDPA on 256-token prompts)."""
-    if fresh_prefill_takes_kernel(backend, q.dtype, q.shape[-1]):
-        return fresh_prefill_attention_cpu(q, k, v, num_seqs, scale)
-    return fresh_prefill_attention_ref(q, k, v, num_seqs, scale)
-
-
-def fresh_prefill_takes_kernel(backend: KernelBackend, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `fresh_prefill_attention` runs the C++ kernel rather than the reference."""
+def prefill_takes_cpu_kernel(backend: KernelBackend, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a step's prefill attention runs `paged_prefill_attention_cpu` (all its chunks in one call) rather than
+    the references: on the CPU backend in bf16 at head sizes 64 and 128, where the CPU has AVX512-BF16 dot products
+    (PyTorch's SDPA on CPU reaches about a sixth of the matmuls' rate there)."""
     return (backend is KernelBackend.CPU and dtype == torch.bfloat16 and head_dim in CPU_FAST_HEAD_DIMS
             and cpu_has_avx512_bf16())
 

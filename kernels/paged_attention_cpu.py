@@ -1,9 +1,9 @@
-"""The C++ CPU decode attention (`kernels/csrc/paged_decode_attention.cpp`): its launcher, and the head sizes it has
-a fast path for.
+"""The C++ CPU attention kernels' launchers: decode (`kernels/csrc/paged_decode_attention.cpp`) and prefill
+(`kernels/csrc/prefill_attention.cpp`), and the head sizes they have fast paths for.
 
-It reads K and V straight from the paged pool: what `paged_decode_attention_ref` gathers into a workspace first. The
-kernel checks its arguments itself (shapes, dtypes, and every length and block id against the pool); its refusals
-come out as ValueError, as the Triton launchers' do.
+Both read K and V straight from the paged pool: what `paged_decode_attention_ref` and `paged_prefill_attention_ref`
+gather first. The kernels check their arguments themselves (shapes, dtypes, and every length and block id against
+the pool); their refusals come out as ValueError, as the Triton launchers' do.
 """
 
 from __future__ import annotations
@@ -41,22 +41,34 @@ def paged_decode_attention_cpu(
         raise ValueError(str(exc).splitlines()[0]) from None
 
 
-def fresh_prefill_attention_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float
-) -> torch.Tensor:
-    """`fresh_prefill_attention_ref`'s arguments and result, bf16 at head sizes 64 and 128 on AVX512-BF16 CPUs.
 
+def paged_prefill_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Every prefill chunk of a step in one call, bf16, head sizes 64 and 128, on CPUs with AVX512-BF16.
+
+    Chunk s is q's rows [query_starts[s], query_starts[s + 1]): the last new tokens of a context of context_lens[s]
+    tokens in the blocks block_tables[s] (its own K/V stored), attending causally: `paged_prefill_attention_ref` for
+    each chunk, concatenated.
+    Args:
+        q: [num_tokens, num_heads, head_dim]; block_tables: [num_chunks, max_blocks]; context_lens: [num_chunks];
+            query_starts: [num_chunks + 1], from 0 to num_tokens.
     Raises:
-        ValueError: another dtype or head size, mismatched shapes, or tokens that are not `num_seqs` equal prompts.
+        ValueError: another dtype or head size, mismatched shapes, or a length, start or block id outside q or the
+            pool.
         RuntimeError: the kernels did not build, or were built for a CPU without AVX512-BF16.
     """
     error = cpu_kernels_error()
     if error is not None:
         raise RuntimeError(error)
-    q, k, v = (x if x.dim() != 3 or (x.stride(2) == 1 and x.stride(1) == x.shape[2]) else x.contiguous()
-               for x in (q, k, v))
+    if q.dim() == 3 and (q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        q = q.contiguous()
     try:
-        return torch.ops.tsukimi_cpu.prefill_attention(q, k, v, int(num_seqs), float(scale))
+        return torch.ops.tsukimi_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
+            query_starts.to(torch.int32).contiguous(), float(scale),
+        )
     except RuntimeError as exc:
         message = str(exc).splitlines()[0]
         if "without AVX512-BF16" in message:

@@ -1,11 +1,13 @@
-// Causal attention of whole prompts over their own k, v on CPU, bf16, by AVX512-BF16 dot products. The oracle is
-// kernels.paged_attention.fresh_prefill_attention_ref (PyTorch's SDPA, whose CPU kernel reaches about a sixth of the
-// matmuls' rate on prompts of a few hundred tokens).
+// Prefill attention on CPU straight from the paged pool, bf16, by AVX512-BF16 dot products: each query of a chunk of
+// new tokens attends causally over its sequence's context (cached prefix, earlier chunks, this chunk; this step's
+// K/V already stored). The oracle is kernels.paged_attention.paged_prefill_attention_ref; the pool layout is
+// kernels.kv_layout's: K and V each [num_kv_heads, num_blocks, block_size, head_dim].
 //
-// Work unit: one (sequence, KV head, tile of query tokens). It first lays out the keys the tile can see in the
-// layouts `vdpbf16ps` multiplies from (K as pairs of dims, V as pairs of keys), then for each query token and the
-// group's query heads together (each load of K or V serves them all): scores, one exact softmax over the row, and V
-// weighted by the probabilities rounded to bf16 (as the reference rounds them), the sums in fp32.
+// First each (sequence, KV head)'s keys are laid out from the pool in the layouts `vdpbf16ps` multiplies from (K as
+// pairs of dims, V as pairs of keys). Then work units of (sequence, KV head, tile of query tokens), costliest first,
+// taken by whichever thread is free: per query token, the group's query heads together (each load of K or V serves
+// them all), scores, one exact softmax over the row, and V weighted by the probabilities rounded to bf16 (as the
+// reference rounds them), the sums in fp32.
 #include <ATen/Parallel.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -17,6 +19,7 @@
 #include "cpu_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -30,11 +33,20 @@ using tsukimi_kernels::from_float;
 constexpr int64_t kTileTokens = 32;  // query tokens per work unit
 constexpr int64_t kKeyStep = 32;     // keys per pass of the score loop (two registers of sixteen)
 
-struct Rows {  // one of q, k, v: [tokens, heads, head_dim] with any token stride
+struct Rows {  // q: [tokens, heads, head_dim] with any token stride
   const c10::BFloat16* data;
   int64_t token_stride;
   int64_t head_dim;
   const c10::BFloat16* at(int64_t token, int64_t head) const { return data + token * token_stride + head * head_dim; }
+};
+
+struct PoolHead {  // one KV head's blocks of one sequence in the pool
+  const c10::BFloat16* k;  // the head's first block
+  const c10::BFloat16* v;
+  const int32_t* table;
+  int64_t block_size;
+  int64_t head_dim;
+  int64_t row(int64_t key) const { return (table[key / block_size] * block_size + key % block_size) * head_dim; }
 };
 
 inline uint32_t pair_at(const c10::BFloat16* p) {  // two adjacent bf16 as one 32-bit lane
@@ -49,18 +61,18 @@ struct PackedKeys {
   uint16_t* v_pairs;  // [padded / 2][head_dim][2]: keys (2j, 2j+1) of each dim
   int64_t padded;
 
-  void pack(const Rows& k, const Rows& v, int64_t first_token, int64_t kv_head, int64_t count) const {
-    const int64_t dim = k.head_dim;
+  void pack(const PoolHead& head, int64_t count) const {
+    const int64_t dim = head.head_dim;
     for (int64_t p = 0; p < dim / 2; ++p) std::fill(k_pairs + p * padded + count, k_pairs + (p + 1) * padded, 0u);
     std::fill(v_pairs + count / 2 * dim * 2, v_pairs + padded * dim, uint16_t{0});
     for (int64_t j0 = 0; j0 < count; j0 += 16) {  // sixteen keys at a time: each K store fills a cache line
       const int64_t n = std::min<int64_t>(16, count - j0);
       for (int64_t p = 0; p < dim / 2; ++p) {
-        for (int64_t j = j0; j < j0 + n; ++j) k_pairs[p * padded + j] = pair_at(k.at(first_token + j, kv_head) + 2 * p);
+        for (int64_t j = j0; j < j0 + n; ++j) k_pairs[p * padded + j] = pair_at(head.k + head.row(j) + 2 * p);
       }
     }
     for (int64_t j = 0; j < count; ++j) {
-      const c10::BFloat16* value = v.at(first_token + j, kv_head);
+      const c10::BFloat16* value = head.v + head.row(j);
       uint16_t* v_row = v_pairs + (j / 2) * dim * 2 + (j % 2);
       for (int64_t d = 0; d < dim; ++d) v_row[2 * d] = value[d].x;
     }
@@ -186,66 +198,108 @@ void attend_group(const Rows& q, c10::BFloat16* out, int64_t num_heads, int64_t 
 }
 #endif
 
-Rows rows_of(const at::Tensor& x) {
-  return Rows{x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(2)};
+struct Scratch {  // a thread's rows of scores and probabilities
+  std::vector<float> scores;
+  std::vector<c10::BFloat16> probs;
+};
+
+// Runs `work(i, scratch)` for i in [0, count), each index taken by whichever thread is free (units differ in cost).
+template <typename Work>
+void run_units(int64_t count, int64_t scratch_len, const Work& work) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch scratch{std::vector<float>(scratch_len), std::vector<c10::BFloat16>(scratch_len)};
+    for (int64_t i = next++; i < count; i = next++) work(i, scratch);
+  });
 }
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_seqs,
-                             double scale) {
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                   const at::Tensor& query_starts, double scale) {
 #if !defined(__AVX512BF16__)
-  TORCH_CHECK(false, "prefill_attention: built for a CPU without AVX512-BF16");
+  TORCH_CHECK(false, "paged_prefill_attention: built for a CPU without AVX512-BF16");
 #else
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q, k, v must be [tokens, heads, dim]");
-  for (const at::Tensor* x : {&q, &k, &v}) {
-    TORCH_CHECK(x->scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
-    TORCH_CHECK(x->device().is_cpu(), "prefill_attention: CPU tensors only");
-    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "prefill_attention: each row's heads side by side");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "q ", q.sizes(),
+              " must be [tokens, heads, head_dim] and the pools ", k_cache.sizes(), ", ", v_cache.sizes(),
+              " [kv_heads, blocks, block_size, head_dim] alike");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+              v_cache.scalar_type() == at::kBFloat16, "paged_prefill_attention: bf16 only");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each query row's heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pools must be contiguous");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head size 64 or 128, got ", head_dim);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, num_heads, " heads of ", head_dim,
+              " do not fit ", num_kv_heads, " KV heads of ", k_cache.size(3));
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+              query_starts.scalar_type() == at::kInt, "block tables, lengths and query starts must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous() &&
+              query_starts.is_contiguous(), "block tables must be a contiguous [sequences, max_blocks]");
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == num_seqs && query_starts.dim() == 1 &&
+              query_starts.size(0) == num_seqs + 1, "lengths ", context_lens.sizes(), " and query starts ",
+              query_starts.sizes(), " do not fit ", num_seqs, " sequences");
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+  const int32_t* starts = query_starts.const_data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens, "query starts must run from 0 to ", num_tokens);
+  std::vector<int64_t> padded(num_seqs), offsets(num_seqs + 1, 0);  // per sequence: its keys' layout, where it lies
+  for (int64_t s = 0; s < num_seqs; ++s) {  // a bad length, start or block id would read outside q or the pool
+    const int64_t num_new = starts[s + 1] - starts[s];
+    TORCH_CHECK(num_new >= 1 && num_new <= lens[s] && lens[s] <= max_blocks * block_size, "sequence ", s, ": ",
+                num_new, " new tokens of a context of ", lens[s], " (at most ", max_blocks * block_size, ")");
+    for (int64_t j = 0; j < (lens[s] + block_size - 1) / block_size; ++j) {
+      const int32_t id = tables[s * max_blocks + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", s, ", ", j, "] = ", id, " is not a block of the pool");
+    }
+    padded[s] = (lens[s] + kKeyStep - 1) / kKeyStep * kKeyStep;
+    offsets[s + 1] = offsets[s] + padded[s] * head_dim;
   }
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k.size(1);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill_attention: head size 64 or 128, got ", head_dim);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == num_tokens && k.size(2) == head_dim,
-              "prefill_attention: k and v must be [tokens, kv_heads, head_dim] of q's tokens and head size");
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "prefill_attention: query heads must be a multiple "
-              "of KV heads");
-  TORCH_CHECK(num_seqs > 0 && num_tokens % num_seqs == 0, "prefill_attention: ", num_tokens,
-              " tokens are not num_seqs=", num_seqs, " prompts of one length");
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, q.options());
-  const int64_t length = num_tokens / num_seqs, group = num_heads / num_kv_heads;
-  const int64_t num_tiles = (length + kTileTokens - 1) / kTileTokens;
-  const Rows qs = rows_of(q), ks = rows_of(k), vs = rows_of(v);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t head_stride = num_blocks * block_size * head_dim;
+  const Rows qs{q.const_data_ptr<c10::BFloat16>(), q.stride(0), head_dim};
+  const c10::BFloat16* k_ptr = k_cache.const_data_ptr<c10::BFloat16>();
+  const c10::BFloat16* v_ptr = v_cache.const_data_ptr<c10::BFloat16>();
   c10::BFloat16* out_data = out.data_ptr<c10::BFloat16>();
   const float softmax_scale = static_cast<float>(scale);
-  // Every (sequence, KV head)'s keys laid out once, then the units: (sequence, KV head, tile of query tokens) in
-  // slot order, where slots pair the first tile with the last, the second with the one before, and so on: later
-  // tiles see more keys, and the threads' contiguous ranges of units get equal shares of both.
-  const int64_t padded = (length + kKeyStep - 1) / kKeyStep * kKeyStep;
-  std::vector<uint32_t> k_pairs(num_seqs * num_kv_heads * head_dim / 2 * padded);
-  std::vector<uint16_t> v_pairs(num_seqs * num_kv_heads * padded * head_dim);
-  auto keys_of = [&](int64_t pair) {
-    return PackedKeys{k_pairs.data() + pair * head_dim / 2 * padded, v_pairs.data() + pair * padded * head_dim,
-                      padded};
+
+  std::vector<uint32_t> k_pairs(offsets[num_seqs] / 2 * num_kv_heads);
+  std::vector<uint16_t> v_pairs(offsets[num_seqs] * num_kv_heads);
+  auto keys_of = [&](int64_t s, int64_t g) {
+    const int64_t at = offsets[s] * num_kv_heads + g * padded[s] * head_dim;
+    return PackedKeys{k_pairs.data() + at / 2, v_pairs.data() + at, padded[s]};
   };
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      keys_of(pair).pack(ks, vs, pair / num_kv_heads * length, pair % num_kv_heads, length);
-    }
+  run_units(num_seqs * num_kv_heads, 0, [&](int64_t pair, Scratch&) {
+    const int64_t s = pair / num_kv_heads, g = pair % num_kv_heads;
+    keys_of(s, g).pack(PoolHead{k_ptr + g * head_stride, v_ptr + g * head_stride, tables + s * max_blocks,
+                                block_size, head_dim}, lens[s]);
   });
-  at::parallel_for(0, num_tiles * num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * padded);
-    std::vector<c10::BFloat16> probs(group * padded);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t slot = unit / (num_seqs * num_kv_heads), pair = unit % (num_seqs * num_kv_heads);
-      const int64_t tile = slot % 2 == 0 ? slot / 2 : num_tiles - 1 - slot / 2;
-      const int64_t seq_start = pair / num_kv_heads * length, kv_head = pair % num_kv_heads;
-      const PackedKeys keys = keys_of(pair);
-      for (int64_t i = tile * kTileTokens; i < std::min(length, (tile + 1) * kTileTokens); ++i) {
-        if (head_dim == 64) {
-          attend_group<64>(qs, out_data, num_heads, seq_start + i, kv_head * group, group, keys, i + 1,
-                           softmax_scale, scores, probs);
-        } else {
-          attend_group<128>(qs, out_data, num_heads, seq_start + i, kv_head * group, group, keys, i + 1,
-                            softmax_scale, scores, probs);
-        }
+
+  struct Unit { int64_t seq, kv_head, first, last, cost; };  // queries [first, last) of the sequence's new tokens
+  std::vector<Unit> units;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t num_new = starts[s + 1] - starts[s], cached = lens[s] - num_new;
+    for (int64_t first = 0; first < num_new; first += kTileTokens) {
+      const int64_t last = std::min(num_new, first + kTileTokens);
+      for (int64_t g = 0; g < num_kv_heads; ++g) units.push_back({s, g, first, last, (last - first) * (cached + last)});
+    }
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  const int64_t longest = *std::max_element(padded.begin(), padded.end());
+  run_units(static_cast<int64_t>(units.size()), group * longest, [&](int64_t u, Scratch& scratch) {
+    const Unit& unit = units[u];
+    const int64_t num_new = starts[unit.seq + 1] - starts[unit.seq], cached = lens[unit.seq] - num_new;
+    const PackedKeys keys = keys_of(unit.seq, unit.kv_head);
+    for (int64_t i = unit.first; i < unit.last; ++i) {
+      const int64_t row = starts[unit.seq] + i, count = cached + i + 1;
+      if (head_dim == 64) {
+        attend_group<64>(qs, out_data, num_heads, row, unit.kv_head * group, group, keys, count, softmax_scale,
+                         scratch.scores, scratch.probs);
+      } else {
+        attend_group<128>(qs, out_data, num_heads, row, unit.kv_head * group, group, keys, count, softmax_scale,
+                          scratch.scores, scratch.probs);
       }
     }
   });
@@ -256,6 +310,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tsukimi_cpu, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int num_seqs, float scale) -> Tensor");
-  m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "Tensor query_starts, float scale) -> Tensor");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_attention));
 }

@@ -12,12 +12,13 @@ import torch
 from kernels.backend import KernelBackend
 from kernels.paged_attention import (
     decode_takes_reference,
-    fresh_prefill_attention,
+    fresh_prefill_attention_ref,
     paged_decode_attention,
     paged_prefill_attention,
     paged_prefill_attention_padded_ref,
     store_kv,
 )
+from kernels.paged_attention_cpu import paged_prefill_attention_cpu
 from shared.engine.kv.paged.pool import KVPool
 from shared.engine.kv.store import LayerCallback
 
@@ -34,8 +35,17 @@ class PrefillSegment:
     context_len: int  # tokens visible after this chunk (cached + earlier chunks + this one)
     block_table: torch.Tensor  # [num_blocks_of_seq]
     # A whole prompt with nothing before it, where prefill takes the reference: it attends over the step's own k, v
-    # (what the pool holds for it), not over a gather from the pool. The Triton kernel reads the pool in place.
+    # (what the pool holds for it), not over a gather from the pool. The kernels read the pool in place.
     own_kv: bool = False
+
+
+@dataclass(frozen=True)
+class KernelPrefill:
+    """Every prefill segment of the step for one call of the CPU kernel (`paged_prefill_attention_cpu`)."""
+
+    block_tables: torch.Tensor  # int32 [num_segments, max_blocks]
+    context_lens: torch.Tensor  # int32 [num_segments]
+    query_starts: torch.Tensor  # int32 [num_segments + 1]: segment s is rows [starts[s], starts[s + 1]) of the prefill
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class StepMetadata:
     prefill_segments: list[PrefillSegment]
     padded_prefill: PaddedPrefill | None = None
     own_kv_prefill: bool = False  # every segment `own_kv`, all of one length: one attention call for them all
+    kernel_prefill: KernelPrefill | None = None  # set: the CPU kernel attends for every segment in one call
 
 
 class PagedAttention:
@@ -102,11 +113,16 @@ class PagedAttention:
         out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache)
+        if meta.kernel_prefill is not None:
+            chunks = meta.kernel_prefill
+            out[num_decode:] = paged_prefill_attention_cpu(
+                q[num_decode:], k_cache, v_cache, chunks.block_tables, chunks.context_lens, chunks.query_starts,
+                self.scale,
+            )
+            return out
         if meta.own_kv_prefill:
             rows = slice(num_decode, None)
-            out[rows] = fresh_prefill_attention(
-                q[rows], k[rows], v[rows], len(meta.prefill_segments), self.scale, backend
-            )
+            out[rows] = fresh_prefill_attention_ref(q[rows], k[rows], v[rows], len(meta.prefill_segments), self.scale)
             return out
         if meta.padded_prefill is not None:
             batch = meta.padded_prefill
@@ -117,7 +133,7 @@ class PagedAttention:
         for seg in meta.prefill_segments:
             rows = slice(seg.start, seg.start + seg.num_tokens)
             if seg.own_kv:
-                out[rows] = fresh_prefill_attention(q[rows], k[rows], v[rows], 1, self.scale, backend)
+                out[rows] = fresh_prefill_attention_ref(q[rows], k[rows], v[rows], 1, self.scale)
                 continue
             out[rows] = paged_prefill_attention(
                 q[rows], k_cache, v_cache, seg.block_table, seg.context_len, self.scale, backend
@@ -134,9 +150,10 @@ class PagedAttention:
 
 def step_metadata(
     chunks: list[ScheduledChunk], block_tables: dict[str, list[int]], block_size: int, backend: KernelBackend,
-    device: torch.device,
+    device: torch.device, prefill_kernel: bool = False,
 ) -> StepMetadata:
-    """Where a step's tokens go and what they see, chunks in the step's token order (single tokens first)."""
+    """Where a step's tokens go and what they see, chunks in the step's token order (single tokens first);
+    `prefill_kernel`: prefill attention takes the CPU kernel (`prefill_takes_cpu_kernel`)."""
 
     def tensor(values: list[int] | list[list[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -151,7 +168,7 @@ def step_metadata(
     width = max((len(t) for t in tables), default=1)
     padded = [t + [0] * (width - len(t)) for t in tables] or [[0]]
     segments: list[PrefillSegment] = []
-    row, takes_reference = len(decode), backend is not KernelBackend.TRITON
+    row, takes_reference = len(decode), backend is not KernelBackend.TRITON and not prefill_kernel
     for chunk in chunks[len(decode) :]:
         context_len = chunk.seq.num_computed_tokens + chunk.num_tokens
         own_kv = takes_reference and chunk.seq.num_computed_tokens == 0
@@ -169,7 +186,17 @@ def step_metadata(
             num_new=[s.num_tokens for s in segments],
             context_lens=[s.context_len for s in segments],
         )
+    kernel_prefill = None
+    if prefill_kernel and segments:
+        prefill_tables = [block_tables[c.seq.request_id] for c in chunks[len(decode) :]]
+        longest = max(len(t) for t in prefill_tables)
+        kernel_prefill = KernelPrefill(
+            block_tables=tensor([t + [t[0]] * (longest - len(t)) for t in prefill_tables], torch.int32),
+            context_lens=tensor([s.context_len for s in segments], torch.int32),
+            query_starts=tensor([s.start - len(decode) for s in segments] + [row - len(decode)], torch.int32),
+        )
     return StepMetadata(
+        kernel_prefill=kernel_prefill,
         padded_prefill=padded_prefill,
         own_kv_prefill=own_kv_prefill,
         slot_mapping=tensor(slots),

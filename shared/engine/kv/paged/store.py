@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.backend import KernelBackend
+from kernels.paged_attention import prefill_takes_cpu_kernel
 from shared.engine.kv.fastgen.lane_store import LaneStore, RawLaneStore
 from shared.engine.kv.paged.attention import PagedAttention, step_metadata
 from shared.engine.kv.paged.pool import KVPool
@@ -77,7 +78,9 @@ class PagedKvStore(PooledStore[KVPool]):
         self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
         after_layer: LayerCallback | None = None, before_layer: LayerCallback | None = None,
     ) -> tuple[list[ScheduledChunk], PagedAttention]:
-        meta = step_metadata(chunks, block_tables, self.block_size, self.backend, self.pool.tensor.device)
+        pool = self.pool.tensor
+        prefill_kernel = prefill_takes_cpu_kernel(self.backend, pool.dtype, pool.shape[-1])
+        meta = step_metadata(chunks, block_tables, self.block_size, self.backend, pool.device, prefill_kernel)
         return chunks, PagedAttention(self.pool, meta, self.scale, self.backend, after_layer, before_layer)
 
     def lane_store(self) -> LaneStore:
