@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -55,7 +56,7 @@ inline uint32_t pair_at(const c10::BFloat16* p) {  // two adjacent bf16 as one 3
   return bits;
 }
 
-// One (sequence, KV head)'s keys laid out for the dot products, zeros past the prompt's length up to `padded`.
+// One (sequence, KV head)'s keys laid out for the dot products, zeros past its context up to `padded`.
 struct PackedKeys {
   uint32_t* k_pairs;  // [head_dim / 2][padded]: dims (2p, 2p+1) of each key
   uint16_t* v_pairs;  // [padded / 2][head_dim][2]: keys (2j, 2j+1) of each dim
@@ -265,11 +266,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   c10::BFloat16* out_data = out.data_ptr<c10::BFloat16>();
   const float softmax_scale = static_cast<float>(scale);
 
-  std::vector<uint32_t> k_pairs(offsets[num_seqs] / 2 * num_kv_heads);
-  std::vector<uint16_t> v_pairs(offsets[num_seqs] * num_kv_heads);
+  // Left uninitialized: `pack` writes every element (the keys, then zeros to `padded`).
+  std::unique_ptr<uint32_t[]> k_pairs(new uint32_t[offsets[num_seqs] / 2 * num_kv_heads]);
+  std::unique_ptr<uint16_t[]> v_pairs(new uint16_t[offsets[num_seqs] * num_kv_heads]);
   auto keys_of = [&](int64_t s, int64_t g) {
     const int64_t at = offsets[s] * num_kv_heads + g * padded[s] * head_dim;
-    return PackedKeys{k_pairs.data() + at / 2, v_pairs.data() + at, padded[s]};
+    return PackedKeys{k_pairs.get() + at / 2, v_pairs.get() + at, padded[s]};
   };
   run_units(num_seqs * num_kv_heads, 0, [&](int64_t pair, Scratch&) {
     const int64_t s = pair / num_kv_heads, g = pair % num_kv_heads;
