@@ -98,7 +98,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_CACHE_BALANCE_RATIO", "1.5",
                "fetch the cache-store's prefix when it is this many times longer than the local one"),
         EnvVar("TSUKIMI_LOCAL_PREFILL_TOKENS", "128",
-               "prompts with at most this many tokens to compute may be prefilled on the decode instance (0: never)"),
+               "prompts with at most this many tokens to compute may be prefilled on the decode instance (0: never;"
+               " `tsukimi up` on one machine: 512)"),
         EnvVar("TSUKIMI_HOST", "127.0.0.1", "gateway listen address"),
         EnvVar("TSUKIMI_PORT", "8000", "gateway listen port"),
         EnvVar("TSUKIMI_MAX_BODY_KB", "1024", "largest HTTP request body, KiB (larger: 413)"),

@@ -98,7 +98,8 @@ class ConductorPolicy:
 
     Args:
         local_prefill_tokens: most tokens to compute for a prefill on the decode instance (0: never).
-        tbt_slo_s: a prefill on decode delays that instance's next token; it must fit in half the TBT SLO.
+        tbt_slo_s: a prefill on decode delays that instance's next token: the step computing it (with the prompts
+            queued there and the decode batch) must fit in the TBT SLO.
     """
 
     name = "conductor"

@@ -48,9 +48,11 @@ the terminal shows only what needs attention. A process that exits is restarted 
 Every process gets TSUKIMI_NATS_URL, TSUKIMI_CACHE_SHARDS and its own TSUKIMI_INSTANCE_ID (gateway-0, prefill-1,
 ...); the gateway gets TSUKIMI_HOST and TSUKIMI_PORT, cache-store i gets TSUKIMI_CACHE_SHARD=i, prefill and decode
 share the CPU cores (TSUKIMI_NUM_THREADS) and half the memory available for their KV pools
-(TSUKIMI_KV_MEMORY_FRACTION) unless they are set; with several shards a TSUKIMI_CACHE_SSD_DIR becomes one
-shard-<i> folder each. Every other TSUKIMI_* variable of this shell is passed through (an unknown one is an error).
-The same topology in containers: `tsukimi compose`.
+(TSUKIMI_KV_MEMORY_FRACTION) unless they are set, and prompts of up to 512 tokens may be prefilled on the decode
+instance where the Conductor predicts that faster within the TBT SLO (TSUKIMI_LOCAL_PREFILL_TOKENS=512, the
+default elsewhere 128: the prefill instance has only its share of this machine's cores); with several shards a
+TSUKIMI_CACHE_SSD_DIR becomes one shard-<i> folder each. Every other TSUKIMI_* variable of this shell is passed
+through (an unknown one is an error). The same topology in containers: `tsukimi compose`.
 
 Simulation (`--engine sim --profile llama3-70b-8xa800`): the same services, NATS, scheduler and cache-store, but no
 model runs: each prefill and decode step sleeps for the time a roofline model of that model on those GPUs predicts
@@ -61,6 +63,10 @@ to 256 sequences a batch and 1 TiB of cache-store DRAM a shard. `--colocated N` 
 Exit status: 0 after Ctrl-C or SIGTERM, 1 when the system did not come up in time, 2 for a bad argument or setting.
 """
 KV_MEMORY_SHARED = 0.5  # the share of available memory the engines' auto-sized KV pools take together
+# On one machine the prefill instance has only its share of the cores: prompts of up to one 512-token step may be
+# computed where they decode, whenever the Conductor predicts that faster and within the TBT SLO (on a 2-core EPYC,
+# 32 streams: TTFT p50 8.5 -> 0.8 s, 52 -> 108 of 128 requests within both SLOs; docs/experiments/peers.md).
+LOCAL_PREFILL_TOKENS_ONE_MACHINE = 512
 STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
 STOP_NATS_S = 1.5
 
@@ -226,12 +232,15 @@ def _scheduling_env(args: argparse.Namespace) -> dict[str, str]:
 def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
     """--engine, --profile, --colocated and --insecure as variables; a sim system also gets `SIM_ENV_DEFAULTS`, a
     colocated one the least_loaded routing, and a real one bf16 weights and KV where the CPU computes bf16
-    (`cpu_native_dtype`), where neither the flags nor this shell say otherwise."""
+    (`cpu_native_dtype`) and prompts of up to `LOCAL_PREFILL_TOKENS_ONE_MACHINE` tokens computed on decode where the
+    Conductor predicts that better, where neither the flags nor this shell say otherwise."""
     if args.profile and args.engine != "sim":
         raise CliError("--profile needs --engine sim")
     env = {}
     if args.engine != "sim" and "TSUKIMI_DTYPE" not in os.environ:  # a shell's choice wins
         env["TSUKIMI_DTYPE"] = cpu_native_dtype()
+    if args.engine != "sim" and "TSUKIMI_LOCAL_PREFILL_TOKENS" not in os.environ:
+        env["TSUKIMI_LOCAL_PREFILL_TOKENS"] = str(LOCAL_PREFILL_TOKENS_ONE_MACHINE)
     if args.engine == "sim":
         env = {name: value for name, value in SIM_ENV_DEFAULTS.items() if name not in os.environ}
         env["TSUKIMI_ENGINE"] = "sim"
