@@ -1,8 +1,9 @@
 """Attention over the paged KV cache: storing a step's K/V into pool slots, decode and prefill attention.
 
 Each op has a plain PyTorch reference here (`*_ref`: the kernels' oracle) and a dispatcher taking a `KernelBackend`;
-the Triton kernels and their checking launchers are in `kernels.paged_attention_triton`, the C++ CPU decode kernel's
-in `kernels.paged_attention_cpu`. Pool layout: see `kernels.kv_layout`.
+the Triton kernels and their checking launchers are in `kernels.paged_attention_triton`, the C++ CPU kernels' (decode;
+prefill, which the engine calls once a step for all its chunks where `prefill_takes_cpu_kernel`) in
+`kernels.paged_attention_cpu`. Pool layout: see `kernels.kv_layout`.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ def paged_decode_attention_cpu(
         raise ValueError(str(exc).splitlines()[0]) from None
 
 
-
 def paged_prefill_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
