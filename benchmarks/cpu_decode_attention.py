@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -27,20 +26,10 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.model.checkpoint import load_checkpoint
 from shared.tools.bench.hf_baseline import random_prompts
+from shared.tools.bench.roofline import median_seconds
 from shared.wire.protocol import SamplingParams
 
 STEPS_PER_TURN = 8
-
-
-def _median_ms(fn: Callable[[], object], repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def bench_op(args: argparse.Namespace) -> None:
@@ -54,8 +43,9 @@ def bench_op(args: argparse.Namespace) -> None:
     q = torch.randn(args.batch_size, kv_heads * groups, args.head_dim, generator=gen).to(dtype)
     size = kv_heads * args.batch_size * max_blocks * block_size * args.head_dim
     workspace = (torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype))
-    ours = _median_ms(lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.125))
-    ref = _median_ms(lambda: paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, workspace))
+    ours = 1000 * median_seconds(lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.125), 50, 3)
+    ref = 1000 * median_seconds(
+        lambda: paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, workspace), 50, 3)
     print(f"one layer, batch {args.batch_size}, context {args.context}, head dim {args.head_dim}, "
           f"{torch.get_num_threads()} threads: C++ {ours:.3f} ms, reference {ref:.3f} ms ({ours / ref:.2f}x)")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -28,19 +27,10 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.model.checkpoint import load_checkpoint
 from shared.tools.bench.hf_baseline import random_prompts
+from shared.tools.bench.roofline import median_seconds
 from shared.wire.protocol import SamplingParams
 
 KV_HEADS, GROUPS, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
-
-
-def _median_ms(fn: Callable[[], object], repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def bench_op(args: argparse.Namespace) -> None:
@@ -68,7 +58,7 @@ def bench_op(args: argparse.Namespace) -> None:
         return paged_prefill_attention_padded_ref(q.contiguous(), k_cache, v_cache, tables, num_new, context_lens,
                                                   scale)
 
-    ours, theirs = _median_ms(kernel), _median_ms(reference)
+    ours, theirs = 1000 * median_seconds(kernel, 10), 1000 * median_seconds(reference, 10)
     print(f"one layer, {args.batch_size} chunks of {args.new} new tokens after {args.cached}, {args.threads} "
           f"thread(s): kernel {ours:.2f} ms, reference {theirs:.2f} ms ({theirs / ours:.2f}x)")
 

@@ -17,8 +17,11 @@ from shared.model.config import LlamaConfig
 MiB = 1 << 20
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: faults pages in, builds oneDNN primitives
+def median_seconds(fn: Callable[[], object], repeats: int, warmups: int = 1) -> float:
+    """The median of `repeats` timed calls of `fn`, after `warmups` untimed ones (they fault pages in and build
+    oneDNN primitives)."""
+    for _ in range(warmups):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -35,7 +38,7 @@ def measure_memory_bandwidth(num_bytes: int = 512 * MiB, repeats: int = 5) -> fl
     torch's configured threads. `num_bytes` should be many times the last-level cache.
     """
     buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
-    seconds = _median_seconds(lambda: torch.sum(buffer), repeats)
+    seconds = median_seconds(lambda: torch.sum(buffer), repeats)
     return buffer.numel() * buffer.element_size() / seconds
 
 
@@ -43,7 +46,7 @@ def measure_matmul_peak(dtype: torch.dtype, repeats: int = 5, size: int = 2048) 
     """Dense matmul throughput in FLOP/s: the median time of one [size, size] x [size, size] `torch.mm`."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
-    seconds = _median_seconds(lambda: torch.mm(a, b), repeats)
+    seconds = median_seconds(lambda: torch.mm(a, b), repeats)
     return 2 * size**3 / seconds
 
 
@@ -53,7 +56,7 @@ def _pass_seconds(
     weights: list[torch.Tensor],
     repeats: int,
 ) -> float:
-    return _median_seconds(lambda: [matmul(x, weight) for weight in weights], repeats)
+    return median_seconds(lambda: [matmul(x, weight) for weight in weights], repeats)
 
 
 def measure_weight_streaming(

@@ -176,22 +176,24 @@ def step_metadata(
                                        own_kv))
         row += chunk.num_tokens
     own_kv_prefill = bool(segments) and all(s.own_kv and s.num_tokens == segments[0].num_tokens for s in segments)
+
+    def prefill_tables(dtype: torch.dtype) -> torch.Tensor:  # each segment's blocks up to its context, padded alike
+        tables = [block_tables[c.seq.request_id][: -(-s.context_len // block_size)]
+                  for c, s in zip(chunks[len(decode) :], segments, strict=True)]
+        longest = max(len(t) for t in tables)
+        return tensor([t + [t[0]] * (longest - len(t)) for t in tables], dtype)
+
     padded_prefill = None  # where prefill takes the reference, batch the step's prefill attention when chunks are alike
     if takes_reference and not own_kv_prefill and PaddedPrefill.is_worth_it(segments, block_size):
-        prefill_tables = [block_tables[c.seq.request_id][: -(-s.context_len // block_size)]
-                          for c, s in zip(chunks[len(decode) :], segments, strict=True)]
-        longest = max(len(t) for t in prefill_tables)
         padded_prefill = PaddedPrefill(
-            block_tables=tensor([t + [t[0]] * (longest - len(t)) for t in prefill_tables]),
+            block_tables=prefill_tables(torch.long),
             num_new=[s.num_tokens for s in segments],
             context_lens=[s.context_len for s in segments],
         )
     kernel_prefill = None
     if prefill_kernel and segments:
-        prefill_tables = [block_tables[c.seq.request_id] for c in chunks[len(decode) :]]
-        longest = max(len(t) for t in prefill_tables)
         kernel_prefill = KernelPrefill(
-            block_tables=tensor([t + [t[0]] * (longest - len(t)) for t in prefill_tables], torch.int32),
+            block_tables=prefill_tables(torch.int32),
             context_lens=tensor([s.context_len for s in segments], torch.int32),
             query_starts=tensor([s.start - len(decode) for s in segments] + [row - len(decode)], torch.int32),
         )
