@@ -1,24 +1,22 @@
-"""The paged block manager; the chained block hash it registers blocks under is `shared.engine.block_hash`'s.
+"""The paged block manager; the prefix-cache index it registers blocks in is `shared.engine.prefix_index`'s, under the
+chained block hash of `shared.engine.block_hash`.
 
-Owns block ids, reference counts, the prefix-cache index, its LRU and the events that report the index's changes;
-owns no tensors (no torch here).
+Owns block ids, the sequences' block tables, reference counts, the free list and the raw blocks; the index, its LRU and
+the events that report the index's changes are the `PrefixIndex`'s. Owns no tensors (no torch here).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.block_checks import InvariantChecks
-from shared.engine.block_hash import chain_hashes, u32_tokens
-from shared.wire.protocol.messages import REMOVED, STORED  # the BlockManager's event kinds are the KvEvent kinds
+from shared.engine.block_hash import u32_tokens
+from shared.engine.prefix_index import BlockEventHook, PrefixIndex
 
 __all__ = ["BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks"]
-
-# Called with (STORED or REMOVED, block hashes) each time blocks enter or leave the prefix-cache index.
-BlockEventHook = Callable[[str, list[int]], None]
 
 
 class OutOfBlocks(Exception):
@@ -65,21 +63,13 @@ class BlockManager(InvariantChecks):
         self._block_size = block_size
         self._namespace = bytes(namespace)
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks  # set only while registered in _index
-        self._block_tokens: list[array[int] | None] = [None] * num_blocks  # same
         # A stack, block 0 on top: the most recently freed block is taken first, its pages already mapped (the CPU pool
         # maps pages on first touch) and likely still in cache, where taking the oldest cycled through the whole pool.
         self._free: deque[int] = deque(range(num_blocks - 1, -1, -1))
-        self._evictable: OrderedDict[int, int] = OrderedDict()  # block id -> hash, least recently freed first
-        self._index: dict[int, int] = {}  # block hash -> block id
-        # block hash -> live sequences' private computed copies of its registered block. One takes the registration
-        # over when that block loses its last reference, so the index keeps every prefix whose KV a sequence holds.
-        self._copies: dict[int, list[int]] = {}
+        self._prefix_index = PrefixIndex(num_blocks, block_size, self._namespace, on_event)
         self._seqs: dict[Hashable, _Seq] = {}
         self._raw: set[int] = set()  # blocks handed out whole by `take_raw`, outside any sequence
-        self._num_evictions = 0
         self._num_reused_blocks_total = 0
-        self.on_event = on_event
 
     @property
     def num_blocks(self) -> int:
@@ -94,13 +84,23 @@ class BlockManager(InvariantChecks):
         return self._namespace
 
     @property
+    def on_event(self) -> BlockEventHook | None:
+        """Hears every change of the prefix-cache index (the `PrefixIndex`'s listener)."""
+        return self._prefix_index.on_event
+
+    @on_event.setter
+    def on_event(self, on_event: BlockEventHook | None) -> None:
+        self._prefix_index.on_event = on_event
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free ones plus cached-unreferenced (evictable) ones."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._prefix_index.evictable)
 
     @property
     def stats(self) -> BlockStats:
-        return BlockStats(len(self._index), self._num_evictions, self._num_reused_blocks_total)
+        index = self._prefix_index
+        return BlockStats(len(index.by_hash), index.num_evictions, self._num_reused_blocks_total)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -110,7 +110,7 @@ class BlockManager(InvariantChecks):
 
         Only full blocks inside ``token_ids[:-1]`` count: the caller must always compute the last token.
         """
-        reused, _ = self._match_prefix(u32_tokens(token_ids))
+        reused, _ = self._prefix_index.match(u32_tokens(token_ids))
         return len(reused) * self._block_size
 
     def blocks_needed(self, token_ids: Sequence[int]) -> int:
@@ -120,7 +120,7 @@ class BlockManager(InvariantChecks):
         leave the evictable LRU), so ``allocate`` succeeds iff ``blocks_needed(t) <= num_free_blocks``.
         """
         tokens = u32_tokens(token_ids)
-        reused, _ = self._match_prefix(tokens)
+        reused, _ = self._prefix_index.match(tokens)
         return self._pool_cost(len(tokens), reused)
 
     def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
@@ -142,7 +142,7 @@ class BlockManager(InvariantChecks):
 
     def block_token_ids(self, block_id: int) -> tuple[int, ...]:
         """The tokens of a block registered in the prefix index. Raises KeyError for an unregistered block."""
-        tokens = self._block_tokens[block_id]
+        tokens = self._prefix_index.block_tokens[block_id]
         if tokens is None:
             raise KeyError(f"block {block_id} is not registered in the prefix index")
         return tuple(tokens)
@@ -166,14 +166,14 @@ class BlockManager(InvariantChecks):
         tokens = u32_tokens(token_ids)
         if len(tokens) == 0:
             raise ValueError("cannot allocate an empty sequence")
-        reused, hashes = self._match_prefix(tokens)
+        reused, hashes = self._prefix_index.match(tokens)
         cost = self._pool_cost(len(tokens), reused)
         if cost > self.num_free_blocks:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {cost} blocks, {self.num_free_blocks} free")
+        self._prefix_index.revive(reused)
+        ref_counts = self._ref_counts
         for block_id in reused:
-            if self._ref_counts[block_id] == 0:
-                del self._evictable[block_id]
-            self._ref_counts[block_id] += 1
+            ref_counts[block_id] += 1
         fresh = self._take_fresh(self._num_blocks_for(len(tokens)) - len(reused))
         num_reused = len(reused) * self._block_size
         self._seqs[seq_id] = _Seq(tokens, reused + fresh, num_reused, len(reused), hashes)
@@ -193,7 +193,8 @@ class BlockManager(InvariantChecks):
         needed = self._num_new_blocks(seq, len(tokens))
         if needed > self.num_free_blocks:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {needed} more blocks, {self.num_free_blocks} free")
-        seq.block_ids.extend(self._take_fresh(needed))
+        if needed:
+            seq.block_ids.extend(self._take_fresh(needed))
         seq.token_ids.extend(tokens)
 
     def mark_computed(self, seq_id: Hashable, num_computed_tokens: int) -> None:
@@ -253,12 +254,13 @@ class BlockManager(InvariantChecks):
 
     def cached_hashes(self) -> list[int]:
         """Every block hash in the prefix-cache index (what a snapshot of this cache lists)."""
-        return list(self._index)
+        return list(self._prefix_index.by_hash)
 
     def cached_block_ids(self, block_hashes: Sequence[int]) -> list[int] | None:
         """The blocks the prefix-cache index holds under `block_hashes`, in order (a finished sequence's, until they
         are evicted); None when one of them is not there."""
-        block_ids = [self._index.get(block_hash) for block_hash in block_hashes]
+        by_hash = self._prefix_index.by_hash
+        block_ids = [by_hash.get(block_hash) for block_hash in block_hashes]
         return None if None in block_ids else block_ids  # type: ignore[return-value]
 
     def free(self, seq_id: Hashable) -> None:
@@ -272,17 +274,20 @@ class BlockManager(InvariantChecks):
             KeyError: unknown seq_id.
         """
         seq = self._seqs.pop(seq_id)
+        index, ref_counts, free = self._prefix_index, self._ref_counts, self._free
+        hash_of = index.block_hash
         for i, block_id in reversed(list(enumerate(seq.block_ids))):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] > 0:
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] > 0:
                 continue
-            block_hash = self._block_hash[block_id]
+            block_hash = hash_of[block_id]
             if block_hash is not None:
-                self._release_registered(block_id, block_hash)
+                if index.release(block_id, block_hash):  # a copy took the registration over
+                    free.append(block_id)
                 continue
             if i < seq.num_published:  # computed, yet unregistered: a copy of a block registered elsewhere
-                self._drop_copy(seq.hashes[i], block_id)
-            self._free.append(block_id)
+                index.drop_copy(seq.hashes[i], block_id)
+            free.append(block_id)
 
     def take_raw(self, count: int) -> list[int]:
         """Hand out ``count`` blocks that belong to no sequence and are never registered (storage a caller lays out
@@ -314,89 +319,27 @@ class BlockManager(InvariantChecks):
         num_revived = sum(1 for block_id in reused if self._ref_counts[block_id] == 0)
         return self._num_blocks_for(num_tokens) - len(reused) + num_revived
 
-    def _match_prefix(self, tokens: array[int]) -> tuple[list[int], list[int]]:
-        """The cached blocks reusable for ``tokens`` and the chained hashes computed on the way."""
-        reused: list[int] = []
-        hashes: list[int] = []
-        for block_tokens, block_hash in chain_hashes(tokens[:-1], self._block_size, self._namespace):  # last: computed
-            hashes.append(block_hash)
-            block_id = self._index.get(block_hash)
-            # A hit whose stored tokens differ is a 64-bit hash collision: treat it as a miss.
-            if block_id is None or self._block_tokens[block_id] != block_tokens:
-                break
-            reused.append(block_id)
-        return reused, hashes
-
     def _publish(self, seq: _Seq) -> None:
         """Register the sequence's computed full blocks not yet registered (none while it is loading)."""
-        size, end = self._block_size, seq.num_computed // self._block_size
+        end = seq.num_computed // self._block_size
         if seq.is_loading or end <= seq.num_published:
             return
-        self._extend_hashes(seq, end)
-        stored: list[int] = []
-        for i in range(seq.num_published, end):
-            block_hash, block_id = seq.hashes[i], seq.block_ids[i]
-            tokens = seq.token_ids[i * size : (i + 1) * size]
-            holder = self._index.get(block_hash)
-            if holder is None:
-                self._index[block_hash] = block_id
-                self._block_hash[block_id] = block_hash
-                self._block_tokens[block_id] = tokens
-                stored.append(block_hash)
-            elif self._block_tokens[holder] == tokens:  # else a 64-bit hash collision: this block stays private
-                self._copies.setdefault(block_hash, []).append(block_id)
-                if self._ref_counts[holder] == 0:
-                    del self._evictable[holder]
-                    self._release_registered(holder, block_hash)
+        displaced = self._prefix_index.register(seq.hashes, seq.block_ids, seq.token_ids, seq.num_published, end)
         seq.num_published = end
-        if stored and self.on_event is not None:
-            self.on_event(STORED, stored)
-
-    def _release_registered(self, block_id: int, block_hash: int) -> None:
-        """A registered block lost its last reference: a live copy takes the registration over (the hash stays in
-        the index: no event), else the block joins the LRU."""
-        copies = self._copies.get(block_hash)
-        if not copies:
-            self._evictable[block_id] = block_hash
-            return
-        successor = copies[0]
-        self._drop_copy(block_hash, successor)
-        self._index[block_hash] = successor
-        self._block_hash[successor] = block_hash
-        self._block_tokens[successor] = self._block_tokens[block_id]
-        self._block_hash[block_id] = None
-        self._block_tokens[block_id] = None
-        self._free.append(block_id)
-
-    def _drop_copy(self, block_hash: int, block_id: int) -> None:
-        copies = self._copies.get(block_hash, [])
-        if block_id in copies:  # absent only after a 64-bit hash collision left the block private
-            copies.remove(block_id)
-        if not copies:
-            self._copies.pop(block_hash, None)
-
-    def _extend_hashes(self, seq: _Seq, num_full_blocks: int) -> None:
-        done = len(seq.hashes)
-        tokens = seq.token_ids[: num_full_blocks * self._block_size]
-        parent = seq.hashes[-1] if seq.hashes else None
-        seq.hashes += [h for _, h in chain_hashes(tokens, self._block_size, self._namespace, done, parent)]
+        self._free.extend(displaced)
 
     def _take_fresh(self, count: int) -> list[int]:
         """Take ``count`` blocks, free list first (last freed first), then evicting least recently freed cached ones."""
+        free, ref_counts = self._free, self._ref_counts
+        num_free = len(free)
         taken: list[int] = []
-        removed: list[int] = []
-        for _ in range(count):
-            if self._free:
-                block_id = self._free.pop()
-            else:
-                block_id, block_hash = self._evictable.popitem(last=False)
-                del self._index[block_hash]
-                self._block_hash[block_id] = None
-                self._block_tokens[block_id] = None
-                self._num_evictions += 1
-                removed.append(block_hash)
-            self._ref_counts[block_id] = 1
+        for _ in range(count if count <= num_free else num_free):
+            block_id = free.pop()
+            ref_counts[block_id] = 1
             taken.append(block_id)
-        if removed and self.on_event is not None:
-            self.on_event(REMOVED, removed)
+        if count > num_free:
+            evicted = self._prefix_index.evict(count - num_free)
+            for block_id in evicted:
+                ref_counts[block_id] = 1
+            taken += evicted
         return taken
