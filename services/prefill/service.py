@@ -46,6 +46,7 @@ from shared.wire.protocol import (
     Snapshot,
     SnapshotRequest,
     StreamEvent,
+    attention_work,
 )
 
 log = get_logger(__name__)
@@ -129,12 +130,17 @@ class PrefillService:
         self._encoder.shutdown(wait=True)
 
     def load(self) -> Load:
-        """This beat's figures: the prompt tokens still to compute, and the step samples since the last beat."""
+        """This beat's figures: the prompt tokens still to compute and their attention work (a prompt part-computed
+        counts what is left of it, so the scheduler's view shrinks step by step, not a whole prompt at a time), and
+        the step samples since the last beat."""
         queued = [h for h in self._held.values() if not h.is_prefilled]
-        blocks = self.engine.block_manager
+        blocks, engine = self.engine.block_manager, self.engine
+        left = [(len(h.task.prompt_ids), max(h.num_reused_tokens, engine.num_computed_tokens(h.task.request_id)))
+                for h in queued]
         return Load(
             num_waiting=len(queued),
-            num_queued_tokens=sum(len(h.task.prompt_ids) - h.num_reused_tokens for h in queued),
+            num_queued_tokens=sum(num_tokens - done for num_tokens, done in left),
+            queued_attention_work=float(sum(attention_work(num_tokens, done) for num_tokens, done in left)),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=list(self._held), samples=self.samples.take(),
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,

@@ -2,7 +2,8 @@
 linear in a few features, refitted online from the step timings instances report in their heartbeats.
 
 Prefill: `t = a + b * new_tokens + c * attention_work`, where attention work is the sum over new tokens of the keys
-each attends to: `(L^2 - R^2) / 2` for a prompt of L tokens with R reused (DESIGN section 5's polynomial in L and R).
+each attends to: about `(L^2 - R^2) / 2` for a prompt of L tokens with R reused (DESIGN section 5's polynomial in L
+and R; `shared.wire.protocol.attention_work`).
 Decode: `t = a + b * batch_size + c * total_context_tokens`.
 """
 
@@ -12,6 +13,8 @@ from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
+
+from shared.wire.protocol import attention_work
 
 
 class LinearCostModel:
@@ -101,11 +104,6 @@ def _nonnegative_least_squares(features: np.ndarray, target: np.ndarray) -> np.n
     return best
 
 
-def attention_work(num_tokens: int, num_reused: int) -> float:
-    """Keys attended to by the new tokens of a prompt of `num_tokens` with `num_reused` already cached."""
-    return (num_tokens * num_tokens - num_reused * num_reused) / 2.0
-
-
 class PrefillCostModel:
     """Predicts a prompt's prefill seconds on one instance (every prefill instance shares the fit: same hardware)."""
 
@@ -120,13 +118,13 @@ class PrefillCostModel:
         num_new = max(num_tokens - num_reused, 0)
         return self.model.predict(num_new, attention_work(num_tokens, num_reused)) if num_new else 0.0
 
-    def steps_s(self, num_tokens: int, step_tokens: int) -> float:
-        """Seconds to compute `num_tokens` of queued prompts in steps of at most `step_tokens` each (the attention
-        of each step as of one prompt: an upper bound when many short prompts share it)."""
+    def queue_s(self, num_tokens: int, work: float, step_tokens: int) -> float:
+        """Seconds to compute `num_tokens` of queued prompts, of attention work `work` in all, in steps of
+        `step_tokens`: ceil(num_tokens / step_tokens) steps, each the average one (the model is linear)."""
         if num_tokens <= 0:
             return 0.0
-        num_full, rest = divmod(num_tokens, step_tokens)
-        return num_full * self.predict(step_tokens, 0) + (self.predict(rest, 0) if rest else 0.0)
+        num_steps = -(-num_tokens // step_tokens)
+        return num_steps * self.model.predict(num_tokens / num_steps, work / num_steps)
 
 
 class DecodeCostModel:

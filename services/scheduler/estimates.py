@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
 from services.scheduler.index import BlockIndex
-from shared.wire.protocol import Heartbeat, SubmitRequest
+from shared.wire.protocol import Heartbeat, SubmitRequest, attention_work
 
 DEFAULT_LINK_BYTES_PER_S = 300e6  # loopback NATS, measured by benchmarks/kv_transfer.py, until prefill reports its own
 
@@ -67,12 +67,20 @@ class ClusterView:
 
     # ---- prefill ------------------------------------------------------------------------------------------------
 
+    def queued_work(self, beat: Heartbeat) -> tuple[int, float]:
+        """Prompt tokens waiting at this prefill instance, and their attention work: what its heartbeat reports (of a
+        prompt part-computed, what is left of it) plus what was placed there since (not in the heartbeat yet)."""
+        tokens, work = beat.num_queued_tokens, beat.queued_attention_work
+        for t in self.tracked.values():
+            if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at:
+                tokens += t.num_new_tokens
+                work += attention_work(t.num_tokens, t.num_tokens - t.num_new_tokens)
+        return tokens, work
+
     def queue_s(self, beat: Heartbeat) -> float:
-        """Predicted seconds of prefill work ahead at this instance: what its heartbeat reports plus what was placed
-        there since (not in the heartbeat yet), computed in steps of the token budget (prompts share a step)."""
-        since = sum(t.num_new_tokens for t in self.tracked.values()
-                    if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at)
-        return self.prefill_cost.steps_s(beat.num_queued_tokens + since, self.max_batched_tokens)
+        """Predicted seconds of prefill work ahead at this instance, in steps of the token budget (prompts share a
+        step)."""
+        return self.prefill_cost.queue_s(*self.queued_work(beat), self.max_batched_tokens)
 
     def prefill_option(self, beat: Heartbeat, request: SubmitRequest, use_pool: bool) -> PrefillOption:
         """TTFT on one prefill instance; with `use_pool`, fetch the pool's prefix when it is `balance_ratio` times
@@ -85,13 +93,20 @@ class ClusterView:
         reused = (pool if fetch else local) * self.block_size
         fetch_bytes = (pool - local) * beat.block_bytes if fetch else 0
         rate = beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S
-        queue = self.queue_s(beat)
-        if queue > 0:  # a prompt's first token comes at the end of its step, which the prompts after it share
-            queue += self.prefill_cost.predict(self.max_batched_tokens, 0)
-        return PrefillOption(
-            beat.instance_id, local, pool, fetch, queue, self.prefill_cost.predict(len(request.prompt_ids), reused),
-            fetch_bytes / rate,
-        )
+        compute = self.prefill_cost.predict(len(request.prompt_ids), reused)
+        wait = self._wait_s(beat, len(request.prompt_ids), reused, compute)
+        return PrefillOption(beat.instance_id, local, pool, fetch, wait, compute, fetch_bytes / rate)
+
+    def _wait_s(self, beat: Heartbeat, num_tokens: int, num_reused: int, compute_s: float) -> float:
+        """What a prompt waits beyond its own compute. Prefill runs FIFO steps of the token budget, and a prompt's first
+        token comes at the end of the step holding its last token: behind a queue, the steps that compute the queue
+        and the prompt together (full: the prompts after it share the last), less its own compute; alone, nothing."""
+        tokens, work = self.queued_work(beat)
+        if tokens <= 0:
+            return 0.0
+        together = self.prefill_cost.queue_s(tokens + num_tokens - num_reused,
+                                             work + attention_work(num_tokens, num_reused), self.max_batched_tokens)
+        return max(together - compute_s, 0.0)
 
     def transfer_s(self, request: SubmitRequest, beat: Heartbeat) -> float:
         """Moving the prompt's KV prefill -> decode (overlapped with compute layer by layer; what is left is about one

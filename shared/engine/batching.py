@@ -14,6 +14,7 @@ from shared.engine.blocks import BlockManager, OutOfBlocks
 from shared.engine.kv.prefix_load import PrefixLoad
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.wire.log import get_logger
+from shared.wire.protocol import attention_work
 
 log = get_logger(__name__)
 
@@ -33,8 +34,8 @@ class ScheduledChunk:
     @property
     def attention_work(self) -> int:
         """Keys this chunk's tokens attend to, summed: each new token sees every earlier token and itself."""
-        n, before = self.num_tokens, self.seq.num_computed_tokens
-        return n * before + n * (n + 1) // 2
+        before = self.seq.num_computed_tokens
+        return attention_work(before + self.num_tokens, before)
 
 
 class LaneHolder(Protocol):

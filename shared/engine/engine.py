@@ -168,6 +168,12 @@ class LLMEngine(KvHandoff):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of a held request whose KV is computed or reused so far; 0 for a request this engine does not hold
+        (safe to call from another thread while a step runs: one dictionary read)."""
+        seq = self._seqs.get(request_id)
+        return 0 if seq is None else seq.num_computed_tokens
+
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         """Run one forward pass over the planned batch; returns an output for every request that advanced.
 

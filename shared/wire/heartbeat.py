@@ -28,6 +28,7 @@ class Load:
     num_running: int = 0
     num_waiting: int = 0
     num_queued_tokens: int = 0
+    queued_attention_work: float = 0.0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     request_ids: list[str] = field(default_factory=list)

@@ -46,6 +46,7 @@ from shared.wire.protocol import (
     SnapshotRequest,
     StreamEvent,
     Subjects,
+    attention_work,
 )
 from shared.wire.protocol.messages import STORED
 
@@ -220,6 +221,8 @@ async def test_a_stored_prefix_is_loaded_and_fetch_from_pool_false_is_honoured(w
         await held
     assert load.num_waiting == 2
     assert load.num_queued_tokens == (len(world.prompts["x"]) - 2 * BLOCK) + len(world.prompts["w"])
+    x_work, w_work = attention_work(len(world.prompts["x"]), 2 * BLOCK), attention_work(len(world.prompts["w"]), 0)
+    assert load.queued_attention_work == x_work + w_work
     for request_id, name, cached in (("b-x", "x", 2 * BLOCK), ("b-w", "w", 0)):
         first, kv = await world.result(request_id)
         ref_first, ref_kv = world.refs[name]

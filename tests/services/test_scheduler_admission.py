@@ -9,7 +9,7 @@ import time
 import pytest
 from test_scheduler import _beat, _cluster, _service, _submit
 
-from shared.wire.protocol import Heartbeat, Role
+from shared.wire.protocol import Heartbeat, Role, attention_work
 
 
 def _decode(queued: int = 0, running: int = 0, max_num_seqs: int = 0) -> Heartbeat:
@@ -55,12 +55,37 @@ async def test_prompts_placed_on_a_prefill_instance_share_its_steps() -> None:
     for i in range(20):
         assert (await scheduler.handle_submit(_submit(f"r{i}", 20))).accepted
     view = scheduler.view()
-    cost = view.prefill_cost
-    assert view.queue_s(view.prefills[0]) == pytest.approx(cost.predict(400, 0))  # one step, one step's overhead
-    assert view.queue_s(view.prefills[0]) < 20 * cost.predict(20, 0)
+    model, short = view.prefill_cost.model, attention_work(20, 0)
+    assert view.queue_s(view.prefills[0]) == pytest.approx(model.predict(400, 20 * short))  # one step's overhead
+    assert view.queue_s(view.prefills[0]) < 20 * view.prefill_cost.predict(20, 0)
     for i in range(20, 40):
         await scheduler.handle_submit(_submit(f"r{i}", 20))
-    assert scheduler.view().queue_s(view.prefills[0]) == pytest.approx(cost.predict(512, 0) + cost.predict(288, 0))
+    assert scheduler.view().queue_s(view.prefills[0]) == pytest.approx(2 * model.predict(400, 20 * short))
+
+
+def _prefill_queue(tokens: int, work: int) -> Heartbeat:
+    return Heartbeat("p0", Role.PREFILL, 1, time.time(), num_queued_tokens=tokens, queued_attention_work=work,
+                     block_bytes=1 << 20)
+
+
+async def test_a_prompt_behind_a_queue_gets_its_first_token_at_the_end_of_the_step_holding_its_last() -> None:
+    scheduler, _, _ = _service(TSUKIMI_MAX_BATCHED_TOKENS="512")
+    await _cluster(scheduler, _prefill_queue(700, 7 * attention_work(100, 0)), _decode())  # seven 100-token prompts
+    view = scheduler.view()
+    model, own = view.prefill_cost.model, attention_work(300, 0)
+    behind = view.prefill_option(view.prefills[0], _submit("r", 300), use_pool=False)
+    # 1,000 tokens: its first token at the end of the second step, both full
+    assert behind.ttft_s == pytest.approx(2 * model.predict(500, (7 * attention_work(100, 0) + own) / 2))
+    assert behind.compute_s == pytest.approx(view.prefill_cost.predict(300, 0))
+    await _cluster(scheduler, _prefill_queue(700, attention_work(3000, 2300)))  # the last 700 of a 3,000-token prompt
+    view = scheduler.view()
+    long = view.prefill_option(view.prefills[0], _submit("r", 300), use_pool=False)
+    assert long.ttft_s == pytest.approx(2 * model.predict(500, (attention_work(3000, 2300) + own) / 2))
+    assert long.ttft_s > behind.ttft_s  # its tokens attend to 2,300 more keys each
+    await _cluster(scheduler, _prefill_queue(0, 0))
+    view = scheduler.view()
+    alone = view.prefill_option(view.prefills[0], _submit("r", 300), use_pool=False)
+    assert (alone.queue_s, alone.ttft_s) == (0.0, pytest.approx(view.prefill_cost.predict(300, 0)))
 
 
 async def test_the_conductor_prefills_on_decode_only_where_the_step_fits_the_tbt_slo() -> None:

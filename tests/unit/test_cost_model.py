@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from services.scheduler.cost_model import DecodeCostModel, LinearCostModel, PrefillCostModel, attention_work
+from services.scheduler.cost_model import DecodeCostModel, LinearCostModel, PrefillCostModel
+from shared.wire.protocol import attention_work
 
 
 def test_prefill_fit_recovers_a_known_model() -> None:

@@ -182,6 +182,8 @@ def test_sender_of_reads_role_and_instance_from_self_describing_subjects() -> No
     (Heartbeat, {"samples": [[1.0, float("nan"), 2.0]]}, "step sample"),
     (Heartbeat, {"role": "admin"}, "unknown role"),
     (Heartbeat, {"num_running": -3}, "num_running is negative"),
+    (Heartbeat, {"queued_attention_work": -1.0}, "queued_attention_work is negative"),
+    (Heartbeat, {"queued_attention_work": float("nan")}, "queued_attention_work is not a finite number"),
     (HandoffStart, {"num_kv_chunks": 0}, "0 KV chunks"),
     (HandoffEnd, {"first_token": -1}, "a negative token id"),
     (SubmitRequest, {"prompt_ids": []}, "no token ids"),

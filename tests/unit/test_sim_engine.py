@@ -31,7 +31,7 @@ from shared.sim.manifest import sim_model_name
 from shared.sim.profiles import SIM_ENV_DEFAULTS, GpuSpec, SimProfile, get_profile
 from shared.wire.handoff.prompt import KvAssembly, assemble_prompt, chunk_prompt_layer, num_prompt_chunks
 from shared.wire.payload import SizeOnly
-from shared.wire.protocol import KvChunk, SamplingParams, decode, encode
+from shared.wire.protocol import KvChunk, SamplingParams, attention_work, decode, encode
 
 PROFILE = get_profile("llama3-70b-8xa800")
 CFG = PROFILE.model  # 80 layers, 8 kv heads, head dim 128
@@ -133,6 +133,20 @@ def test_each_step_sleeps_the_predicted_time_of_its_work(clock: FakeTime, checkp
         assert engine.last_step is not None
         assert (engine.last_step.num_new_tokens, engine.last_step.attention_work) == (
             work.num_new_tokens, work.attention_work)
+
+
+def test_a_chunked_prompt_reports_what_is_computed_and_its_chunks_add_up_to_its_attention_work(
+        clock: FakeTime, checkpoint: Checkpoint) -> None:
+    engine = make_engine(checkpoint)
+    engine.add_request("r1", prompt(1500), SamplingParams(max_tokens=1))
+    assert (engine.num_computed_tokens("r1"), engine.num_computed_tokens("other")) == (0, 0)
+    engine.step()
+    assert engine.num_computed_tokens("r1") == CHUNK  # what a prefill instance's heartbeat subtracts
+    first = engine.last_step
+    engine.step()
+    assert first is not None and engine.last_step is not None
+    assert first.attention_work + engine.last_step.attention_work == attention_work(1500, 0)
+    assert first.attention_work == attention_work(CHUNK, 0)
 
 
 def test_back_to_back_steps_count_the_host_s_time(clock: FakeTime, checkpoint: Checkpoint) -> None:

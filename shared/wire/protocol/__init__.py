@@ -36,6 +36,7 @@ from shared.wire.protocol.messages import (
     StreamEvent,
     SubmitReply,
     SubmitRequest,
+    attention_work,
 )
 from shared.wire.protocol.sampling import SamplingError, SamplingParams
 from shared.wire.protocol.subjects import PREFILL_QUEUE, SCHEDULER_QUEUE, Subjects, is_valid_request_id
@@ -46,5 +47,5 @@ __all__ = [
     "HandoffStart", "Heartbeat", "KvChunk", "KvEvent", "Message",
     "PrefillTask", "ProtocolError", "Role", "SamplingError", "SamplingParams", "Snapshot", "SnapshotRequest",
     "StreamEvent", "SubmitReply", "SubmitRequest", "Subjects",
-    "decode", "encode", "is_valid_request_id", "message", "message_types", "unchecked_fields",
+    "attention_work", "decode", "encode", "is_valid_request_id", "message", "message_types", "unchecked_fields",
 ]

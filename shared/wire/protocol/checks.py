@@ -163,9 +163,11 @@ def _cancel(msg: Cancel) -> None:
 def _heartbeat(msg: Heartbeat) -> None:
     _token(msg.KIND, "instance_id", msg.instance_id)
     _require(msg.role in tuple(Role), msg.KIND, f"unknown role {msg.role[:40]!r}")
-    _finite(msg.KIND, sent_at=msg.sent_at, fetch_bytes_per_s=msg.fetch_bytes_per_s)
+    _finite(msg.KIND, sent_at=msg.sent_at, fetch_bytes_per_s=msg.fetch_bytes_per_s,
+            queued_attention_work=msg.queued_attention_work)
     _non_negative(msg.KIND, num_running=msg.num_running, num_waiting=msg.num_waiting,
-                  num_queued_tokens=msg.num_queued_tokens, kv_blocks_used=msg.kv_blocks_used,
+                  num_queued_tokens=msg.num_queued_tokens, queued_attention_work=msg.queued_attention_work,
+                  kv_blocks_used=msg.kv_blocks_used,
                   kv_blocks_total=msg.kv_blocks_total, fetch_bytes_per_s=msg.fetch_bytes_per_s,
                   block_bytes=msg.block_bytes, kv_block_tokens=msg.kv_block_tokens,
                   kv_stored_bytes=msg.kv_stored_bytes, kv_stored_blocks=msg.kv_stored_blocks,

@@ -224,6 +224,13 @@ class Cancel(Message):
 # ---- instances and KV events -------------------------------------------------------------------------------
 
 
+def attention_work(num_tokens: int, num_done: int) -> int:
+    """Keys a sequence's tokens from `num_done` to `num_tokens` attend to, summed (causal: each sees every earlier token
+    and itself). Additive over the chunks that compute them. The unit of a prefill step sample's second figure and of
+    `Heartbeat.queued_attention_work`: the prefill cost model's second feature."""
+    return (num_tokens * (num_tokens + 1) - num_done * (num_done + 1)) // 2
+
+
 @message("heartbeat")
 @dataclass(frozen=True)
 class Heartbeat(Message):
@@ -234,7 +241,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
 
     instance_id: str
     role: str
@@ -243,6 +250,9 @@ class Heartbeat(Message):
     num_running: int = 0
     num_waiting: int = 0
     num_queued_tokens: int = 0
+    # Prefill: the attention work of those tokens (keys each will attend to, summed: the prefill cost model's second
+    # feature), so the Conductor prices a queue of long prompts at what their chunks will cost.
+    queued_attention_work: float = 0.0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     request_ids: list[str] = field(default_factory=list)
