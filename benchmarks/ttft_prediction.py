@@ -1,13 +1,13 @@
 """The Conductor's admission on the virtual clock: windows of a Mooncake-format trace replayed against 1 prefill + 1
 decode node (`python -m services.virtual`, the llama3-70b-8xa800 profile, prediction-based rejection, the default
-TTFT SLO of 10 s), each window's 3 s steps of simultaneous arrivals spread evenly over the step (as
-tests/integration/test_virtual_fidelity.py does). Per window: requests served, and served within the TTFT SLO; with
---baseline-repo, the same windows replayed by another checkout's virtual clock (an earlier commit, say) beside them.
+TTFT SLO of 10 s), each window's 3 s steps of simultaneous arrivals spread evenly over the step
+(`loadgen.trace.write_spread`, as tests/integration/test_virtual_fidelity.py does). Per window: requests served,
+and served within the TTFT SLO; with --baseline-repo, the same windows replayed by another checkout's virtual clock
+(an earlier commit, say) beside them.
 
 Not a test. Usage (from the repository root):
     python benchmarks/ttft_prediction.py [--trace T] [--windows 0:120:2,400:120:2] [--baseline-repo PATH]
-The five windows of docs/experiments/peers.md ("The Conductor's TTFT prediction"):
-    --trace ../shared/data/traces/conversation_trace.jsonl
+The five windows of docs/experiments/peers.md ("The Conductor's TTFT prediction", about 2 minutes a checkout):
     --windows 0:120:2,400:120:2,3000:120:2,6000:200:1.5,9000:200:1.5
 """
 
@@ -18,29 +18,14 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
+from loadgen.metrics import ttft_s
+from loadgen.record import RequestRecord
+from loadgen.trace import CONVERSATION_TRACE, read_trace, write_spread
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from loadgen.metrics import ttft_s  # noqa: E402
-from loadgen.record import RequestRecord  # noqa: E402
-from loadgen.trace import BUNDLED_TRACE  # noqa: E402
-
 TTFT_SLO_S = 10.0  # TSUKIMI_SLO_TTFT_MS's default
-
-
-def spread_window(lines: list[dict[str, object]], out: Path) -> None:
-    """The window from its first arrival, each step's simultaneous arrivals spread evenly over its 3 s."""
-    first = float(lines[0]["timestamp"])  # type: ignore[arg-type]
-    ticks: dict[float, list[dict[str, object]]] = defaultdict(list)
-    for line in lines:
-        ticks[float(line["timestamp"]) - first].append(line)  # type: ignore[arg-type]
-    with out.open("w") as f:
-        for tick in sorted(ticks):
-            for k, line in enumerate(ticks[tick]):
-                f.write(json.dumps({**line, "timestamp": tick + k * 3000.0 / len(ticks[tick])}) + "\n")
 
 
 def replay(repo: Path, trace: Path, num: int, time_scale: float, out: Path) -> tuple[int, int]:
@@ -68,14 +53,15 @@ def parse_windows(text: str, num_lines: int) -> list[tuple[int, int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=BUNDLED_TRACE, help="a Mooncake-format trace (default: bundled)")
+    parser.add_argument("--trace", type=Path, default=CONVERSATION_TRACE,
+                        help="a Mooncake-format trace (default: the whole bundled conversation trace)")
     parser.add_argument("--windows", default="0:120:2,400:120:2",
                         help="first request:count:time scale, comma-separated (default %(default)s)")
     parser.add_argument("--baseline-repo", type=Path, help="another checkout (with its .venv) to replay beside this")
     args = parser.parse_args()
-    lines = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
+    entries = read_trace(args.trace)
     try:
-        windows = parse_windows(args.windows, len(lines))
+        windows = parse_windows(args.windows, len(entries))
     except ValueError as exc:
         parser.error(str(exc))
     repos = [("this", REPO)] + ([("baseline", args.baseline_repo.resolve())] if args.baseline_repo else [])
@@ -85,8 +71,7 @@ def main() -> None:
     totals = [[0, 0] for _ in repos]
     with tempfile.TemporaryDirectory() as tmp:
         for first, count, scale in windows:
-            trace = Path(tmp) / f"window-{first}.jsonl"
-            spread_window(lines[first:first + count], trace)
+            trace = write_spread(entries[first:first + count], Path(tmp) / f"window-{first}.jsonl")
             cells = []
             for k, (name, repo) in enumerate(repos):
                 served, within = replay(repo, trace, count, scale, Path(tmp) / f"{name}-{first}.json")

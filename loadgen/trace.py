@@ -19,6 +19,7 @@ TRACE_BLOCK_LEN = 512  # tokens per hash id in the Mooncake traces
 DATA = Path(__file__).resolve().parent / "data"  # data/README.md: what each file is, its origin and licence
 BUNDLED_TRACE = DATA / "conversation_trace_head.jsonl"  # the first 1,000 requests
 CONVERSATION_TRACE = DATA / "conversation_trace.jsonl.gz"  # all 12,031
+TRACE_TICK_MS = 3000.0  # the Mooncake traces' timestamps come in steps of 3 s
 
 
 class TraceError(ValueError):
@@ -110,6 +111,24 @@ def read_trace(path: str | Path, max_requests: int | None = None, start_s: float
         if entry.timestamp_ms >= start_s * 1000.0:
             entries.append(entry)
     return entries
+
+
+def write_spread(entries: list[TraceEntry], out: Path, tick_ms: float = TRACE_TICK_MS) -> Path:
+    """Write `entries` as a trace starting at 0 ms, each tick's simultaneous arrivals spread evenly over the tick, and
+    return `out`. A Mooncake trace's timestamps come in 3 s ticks, so a dozen requests often arrive at once; which of
+    them a busy machine's processes reach first (a long prompt's body and checks take longer) then decides their
+    TTFTs, where a virtual clock keeps the trace's order. Spread, both replay the same arrivals."""
+    first = entries[0].timestamp_ms if entries else 0.0
+    ticks: dict[float, list[TraceEntry]] = {}
+    for entry in entries:
+        ticks.setdefault(entry.timestamp_ms - first, []).append(entry)
+    with out.open("w", encoding="utf-8") as f:
+        for tick in sorted(ticks):
+            same = ticks[tick]
+            for k, entry in enumerate(same):
+                f.write(json.dumps({"timestamp": tick + k * tick_ms / len(same), "input_length": entry.input_length,
+                                    "output_length": entry.output_length, "hash_ids": list(entry.hash_ids)}) + "\n")
+    return out
 
 
 def trace_requests(entries: list[TraceEntry], options: TraceOptions) -> list[PlannedRequest]:

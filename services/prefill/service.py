@@ -134,8 +134,8 @@ class PrefillService:
         counts what is left of it, so the scheduler's view shrinks step by step, not a whole prompt at a time), and
         the step samples since the last beat."""
         queued = [h for h in self._held.values() if not h.is_prefilled]
-        blocks, engine = self.engine.block_manager, self.engine
-        left = [(len(h.task.prompt_ids), max(h.num_reused_tokens, engine.num_computed_tokens(h.task.request_id)))
+        blocks = self.engine.block_manager
+        left = [(len(h.task.prompt_ids), max(h.num_reused_tokens, self.engine.num_computed_tokens(h.task.request_id)))
                 for h in queued]
         return Load(
             num_waiting=len(queued),

@@ -333,7 +333,7 @@ class BlockManager(InvariantChecks):
         free, ref_counts = self._free, self._ref_counts
         num_free = len(free)
         taken: list[int] = []
-        for _ in range(count if count <= num_free else num_free):
+        for _ in range(min(count, num_free)):
             block_id = free.pop()
             ref_counts[block_id] = 1
             taken.append(block_id)

@@ -102,7 +102,8 @@ class PrefixIndex:
                 stored.append(block_hash)
             elif tokens_of[holder] == tokens:  # else a 64-bit hash collision: this block stays private
                 self.copies.setdefault(block_hash, []).append(block_id)
-                if evictable.pop(holder, None) is not None and self.release(holder, block_hash):  # unreferenced
+                if evictable.pop(holder, None) is not None:  # unreferenced: the copy takes the registration now
+                    self.release(holder, block_hash)
                     displaced.append(holder)
         if stored and self.on_event is not None:
             self.on_event(STORED, stored)

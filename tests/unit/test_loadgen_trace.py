@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from loadgen.prompts import BlockTokens
-from loadgen.trace import BUNDLED_TRACE, CONVERSATION_TRACE, TraceError, TraceOptions, load_trace, read_trace
+from loadgen.trace import (
+    BUNDLED_TRACE,
+    CONVERSATION_TRACE,
+    TraceEntry,
+    TraceError,
+    TraceOptions,
+    load_trace,
+    read_trace,
+    write_spread,
+)
 
 REAL_TRACE = BUNDLED_TRACE  # the first 1,000 lines of the real Mooncake trace (loadgen/data/README.md)
 
@@ -148,3 +157,11 @@ def test_the_bundled_whole_trace_is_the_conversation_trace() -> None:
     assert len(entries) == 12_031  # loadgen/data/README.md
     assert entries[:1000] == read_trace(BUNDLED_TRACE)
     assert entries[-1].timestamp_ms / 1000 == pytest.approx(3537, abs=1)
+
+
+def test_a_spread_trace_starts_at_zero_and_spreads_each_tick_s_simultaneous_arrivals(tmp_path: Path) -> None:
+    entries = [TraceEntry(t, 10 + i, 5, (i,)) for i, t in enumerate([6000.0, 6000.0, 6000.0, 9000.0, 12000.0, 12000.0])]
+    spread = read_trace(write_spread(entries, tmp_path / "spread.jsonl"))
+    assert [e.timestamp_ms for e in spread] == [0.0, 1000.0, 2000.0, 3000.0, 6000.0, 7500.0]
+    assert [(e.input_length, e.output_length, e.hash_ids) for e in spread] == [
+        (e.input_length, e.output_length, e.hash_ids) for e in entries]  # the same requests, in the same order
