@@ -55,6 +55,8 @@ class StepPlan:
     chunks: list[ScheduledChunk]  # every single-token chunk (decode-shaped) first, then the longer ones
     preempted: list[Sequence]
     outgrown: list[Sequence] = field(default_factory=list)  # running alone, still no room: the engine ends them
+    # cannot run here, and why (a pipeline stage lacking the prefix the first stage reused): the engine fails them
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -127,6 +129,7 @@ class Scheduler:
         """
         preempted: list[Sequence] = []
         outgrown: list[Sequence] = []
+        failed: list[tuple[Sequence, str]] = []
         budget = self.max_num_batched_tokens
         decode: list[ScheduledChunk] = []
         prefill: list[ScheduledChunk] = []
@@ -135,28 +138,37 @@ class Scheduler:
                 continue  # preempted while making room for an earlier one, or not in this step
             if budget <= 0:
                 break
+            if seq.num_ready_tokens == 0:  # a stage's prompt waiting for its next rows
+                continue
             if not self._reserve_slots(seq, preempted, outgrown):
                 continue
-            num = min(seq.num_uncomputed_tokens, budget)
+            num = min(seq.num_ready_tokens, budget)
             budget -= num
             (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted + outgrown:
-            candidate = next((s for s in self.waiting if only is None or s.request_id in only), None)
+            candidate = next((s for s in self.waiting if (only is None or s.request_id in only)
+                              and (s.stage_input is None or s.stage_input.end > s.stage_input.start)), None)
             if candidate is None:
                 break
             seq = candidate
+            stage_start = None if seq.stage_input is None else seq.stage_input.start
             try:
-                cached = self.block_manager.allocate(seq.request_id, seq.token_ids)
+                cached = self.block_manager.allocate(seq.request_id, seq.token_ids, stage_start)
             except OutOfBlocks:
                 break
             self.waiting.remove(seq)
+            if stage_start is not None and cached < stage_start:
+                self.block_manager.free(seq.request_id)
+                failed.append((seq, f"this stage's prefix cache holds {cached} of the {stage_start} tokens the "
+                                    "first stage reused"))
+                continue
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens = self._start_load(seq, cached)
             self.running.append(seq)
-            num = min(seq.num_uncomputed_tokens, budget)
+            num = min(seq.num_ready_tokens, budget)
             budget -= num
             (decode if num == 1 else prefill).append(ScheduledChunk(seq, num))
-        return StepPlan(decode + prefill, preempted, outgrown)
+        return StepPlan(decode + prefill, preempted, outgrown, failed)
 
     def _start_load(self, seq: Sequence, num_cached: int) -> int:
         """Start loading the prefix beyond the local cache, if the sequence has a source; returns the tokens that now

@@ -147,10 +147,11 @@ class BlockManager(InvariantChecks):
             raise KeyError(f"block {block_id} is not registered in the prefix index")
         return tuple(tokens)
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], max_reused_tokens: int | None = None) -> int:
         """Create the block table of a new sequence holding ``token_ids``, reusing cached prefix blocks.
 
-        Reuses the longest chain of cached computed full blocks inside ``token_ids[:-1]`` and takes fresh
+        Reuses the longest chain of cached computed full blocks inside ``token_ids[:-1]`` (at most
+        ``max_reused_tokens`` of them: a pipeline stage reuses what the first stage did) and takes fresh
         blocks for the rest (evicting least recently freed cached blocks when the free list is empty). The new
         sequence starts with its reused tokens counted as computed.
 
@@ -167,6 +168,8 @@ class BlockManager(InvariantChecks):
         if len(tokens) == 0:
             raise ValueError("cannot allocate an empty sequence")
         reused, hashes = self._prefix_index.match(tokens)
+        if max_reused_tokens is not None:
+            del reused[max_reused_tokens // self._block_size :]
         cost = self._pool_cost(len(tokens), reused)
         if cost > self.num_free_blocks:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {cost} blocks, {self.num_free_blocks} free")

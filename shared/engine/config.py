@@ -11,6 +11,7 @@ from shared.env_vars import default, default_float, default_int
 from shared.fastgen.policies import FastGenSettings
 from shared.kvcompress import CODEC_NAMES, KvCalibrationError
 from shared.kvcompress.bundled import calibration_digest, resolve_calibration
+from shared.model.stages import LayerRange
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,8 @@ class EngineConfig:
             `shared.fastgen`), with `fastgen`'s T, r_l, r_f and profiled rows.
         prompt_only: a prefill instance's engine, whose requests leave after their first token: FastGen profiles
             each prompt for decode (`LLMEngine.take_profile`) instead of moving it into lanes.
+        stage: the layers this engine computes, as a stage of a chunked pipeline (None: the whole model); it holds
+            those layers' weights and KV only (`LLMEngine.add_stage_input`). Raw KV only, for now.
     Raises:
         ValueError: an unknown dtype or codec, a setting out of range, or a codec without the calibration it needs.
     """
@@ -73,8 +76,11 @@ class EngineConfig:
     kv_policy: str = default("TSUKIMI_KV_POLICY")
     fastgen: FastGenSettings = field(default_factory=FastGenSettings)
     prompt_only: bool = False
+    stage: LayerRange | None = None
 
     def __post_init__(self) -> None:
+        if self.stage is not None and (self.kv_codec != "none" or self.kv_policy != "full"):
+            raise ValueError("a pipeline stage keeps raw KV (TSUKIMI_KV_CODEC=none, TSUKIMI_KV_POLICY=full) for now")
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"unknown KV policy {self.kv_policy!r}: choose one of {', '.join(KV_POLICIES)}")
         if self.kv_policy == "fastgen" and self.kv_codec != "none" and not self.kv_codec.startswith("kvquant-"):

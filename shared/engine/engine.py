@@ -9,7 +9,7 @@ import ctypes
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.engine.batching import Scheduler, StepPlan
 from shared.engine.blocks import BlockEventHook
@@ -18,58 +18,22 @@ from shared.engine.isolation import FailureIsolation
 from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.kv.store import KvStore, LayerCallback
 from shared.engine.kv_handoff import EngineFull, KvHandoff, PrefilledRequest
+from shared.engine.outputs import Completion, RequestOutput, StepStats
 from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
+from shared.engine.stage_input import StageInput
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire.log import get_logger
 from shared.wire.protocol import SamplingParams
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Completion", "EngineFull", "LLMEngine", "PrefilledRequest", "RequestOutput", "StepStats"]
 log = get_logger(__name__)
 # Called during a step as each layer's K/V lands in the pool, with the sequences whose prompt this step completes.
 LayerHook = Callable[[int, list[Sequence]], None]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request: new tokens and text, and the finish reason once finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    kv_bytes_saved: int = 0  # KV bytes FastGen does not hold for this request after this step (0: full cache)
-    error: str = ""  # with finish_reason "error": what the step raised
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one step computed and how long it took (the figures a cost model is fitted to)."""
-
-    num_new_tokens: int  # tokens through the model
-    attention_work: int  # keys attended, summed over the new tokens (each sees every earlier token and itself)
-    seconds: float  # wall time of the step, less `load_wait_s`
-    load_wait_s: float  # time the forward pass blocked waiting for loaded prefix KV
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished request, as `LLMEngine.generate` returns it."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    num_prompt_tokens: int
-    num_cached_tokens: int
 
 
 class LLMEngine(KvHandoff):
@@ -158,6 +122,37 @@ class LLMEngine(KvHandoff):
         if needed > held:  # it would wait for room forever, and every request behind it with it
             raise ValueError(f"the prompt needs {needed} KV blocks; this engine's KV pool holds {held}")
 
+    def add_stage_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, start: int) -> None:
+        """Queue a prompt this pipeline stage continues from the stage before (`EngineConfig.stage`, not the first):
+        it computes tokens from `start` (the first stage reused those before it from its prefix cache; this stage
+        must hold them too) as their rows arrive (`add_stage_input`).
+
+        Raises:
+            ValueError: not a stage after the first, a start outside the prompt, or what `add_request` refuses.
+        """
+        stage = self.config.stage
+        if stage is None or stage.is_first:
+            raise ValueError("only a pipeline stage after the first continues a prompt from hidden states")
+        self.add_request(request_id, prompt_ids, params)
+        try:
+            self._seqs[request_id].stage_input = StageInput(start, len(prompt_ids))
+        except ValueError:
+            self.abort(request_id)
+            raise
+
+    def add_stage_input(self, request_id: str, rows: torch.Tensor) -> None:
+        """The next rows of a stage request's prompt (`RequestOutput.stage_rows` of the stage before).
+
+        Raises:
+            KeyError: an unknown request. ValueError: rows of the wrong shape or beyond the prompt.
+        """
+        stage_input = self._seqs[request_id].stage_input
+        if stage_input is None:
+            raise ValueError(f"request {request_id!r} takes no rows: it was not added as a stage request")
+        if rows.shape[-1:] != (self.model_config.hidden_size,):
+            raise ValueError(f"rows of {tuple(rows.shape)} for a model of hidden size {self.model_config.hidden_size}")
+        stage_input.append(rows)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its blocks; None when it is unknown or already finished."""
         seq = self._seqs.get(request_id)
@@ -186,29 +181,40 @@ class LLMEngine(KvHandoff):
         """
         only = self.isolation.restriction(set(self._seqs))
         plan = self.scheduler.schedule(only)
+        # The whole pool cannot hold one more token of these: they end as at the context limit.
+        ended = [self._finish(seq, FinishReason.LENGTH, []) for seq in plan.outgrown]
+        ended += [self._finish(seq, FinishReason.ERROR, [], reason) for seq, reason in plan.failed]
         for seq in plan.preempted:  # their blocks are free; whatever else they held goes too
             self.store.release(seq.request_id)
-        # The whole pool cannot hold one more token of these: they end as at the context limit.
-        outgrown = [self._finish(seq, FinishReason.LENGTH, []) for seq in plan.outgrown]
+            if self.config.stage is not None:  # rows sent on or spent: a stage cannot compute its part again
+                ended.append(self._finish(seq, FinishReason.ERROR, [], "preempted at a pipeline stage"))
         if not plan.chunks:
-            return outgrown
+            return ended
         started = time.perf_counter()
         tables = {c.seq.request_id: self.block_manager.block_ids(c.seq.request_id) for c in plan.chunks
                   if c.seq.request_id in self.block_manager}  # not those in FastGen's lanes
         loads = [c.seq.prefix_load for c in plan.chunks if c.seq.prefix_load is not None]
         num_new, work = sum(c.num_tokens for c in plan.chunks), sum(c.attention_work for c in plan.chunks)
+        stage_rows: dict[str, torch.Tensor] = {}
         try:
-            sampled = self.runner.execute(plan, tables, *self._layer_hooks(plan, loads, on_layer))
+            if self.config.stage is None or self.config.stage.is_last:
+                sampled = self.runner.execute(plan, tables, *self._layer_hooks(plan, loads, on_layer))
+            else:
+                sampled, stage_rows = {}, self.runner.execute_stage(plan, tables, *self._layer_hooks(plan, loads,
+                                                                                                     on_layer))
         except Exception as exc:  # one request's fault must not poison the batch: find it, fail it alone
-            return outgrown + self._step_failed(plan, only, exc)
+            return ended + self._step_failed(plan, only, exc)
         self.isolation.passed(only, {c.seq.request_id for c in plan.chunks})
         restarted = {seq.request_id for seq in self.scheduler.finish_step(plan)}
         waited = sum(load.waited_s for load in loads)
         self.last_step = StepStats(num_new, work, time.perf_counter() - started - waited, waited)
-        outputs = outgrown
+        outputs = ended
         for request_id, token in sampled.items():
             if request_id not in restarted:
                 outputs.append(self._accept_or_fail(self._seqs[request_id], token))
+        for request_id, rows in stage_rows.items():
+            if request_id not in restarted:
+                outputs.append(self._stage_output(self._seqs[request_id], rows))
         if self.fastgen is not None:  # the prompts it profiled this step leave their blocks for lanes
             self.fastgen.move_profiled(self._seqs, restarted)
         return outputs
@@ -216,6 +222,10 @@ class LLMEngine(KvHandoff):
     def _step_failed(self, plan: StepPlan, only: set[str] | None, exc: Exception) -> list[RequestOutput]:
         """The step raised: fail its request if it ran alone, else recompute its requests in halves (isolation)."""
         ids = [c.seq.request_id for c in plan.chunks]
+        if self.config.stage is not None:  # a stage's rows are spent: its requests cannot be computed again here
+            log.warning("pipeline stage step failed", num_requests=len(ids), stage=str(self.config.stage),
+                        error=repr(exc))
+            return [self._finish(c.seq, FinishReason.ERROR, [], f"{type(exc).__name__}: {exc}") for c in plan.chunks]
         culprit = self.isolation.failed(only, ids)
         log.warning("engine step failed", num_requests=len(ids), culprit=culprit, error=repr(exc),
                     consecutive_failures=self.isolation.num_consecutive_failures)
@@ -223,6 +233,13 @@ class LLMEngine(KvHandoff):
             return [self._finish(self._seqs[culprit], FinishReason.ERROR, [], f"{type(exc).__name__}: {exc}")]
         self.scheduler.recompute([c.seq for c in plan.chunks])
         return []
+
+    def _stage_output(self, seq: Sequence, rows: torch.Tensor) -> RequestOutput:
+        """A stage before the last computed `rows` of the prompt; with its last ones the request ends here."""
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            return RequestOutput(seq.request_id, [], "", None, seq.num_prompt_tokens, 0, seq.num_cached_tokens,
+                                 stage_rows=rows)
+        return self._finish(seq, FinishReason.LENGTH, [], stage_rows=rows)
 
     def _accept_or_fail(self, seq: Sequence, token: int) -> RequestOutput:
         try:
@@ -307,23 +324,27 @@ class LLMEngine(KvHandoff):
         seq.text = seq.text[: min(hits)]
         return True
 
-    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int], error: str = "") -> RequestOutput:
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, new_tokens: list[int], error: str = "",
+        stage_rows: torch.Tensor | None = None,
+    ) -> RequestOutput:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.runner.forget(seq.request_id)
         del self._seqs[seq.request_id], self._detokenizers[seq.request_id]
-        return self._emit(seq, new_tokens, len(seq.text), reason, error)
+        return self._emit(seq, new_tokens, len(seq.text), reason, error, stage_rows)
 
     @staticmethod
     def _emit(
-        seq: Sequence, tokens: list[int], upto: int, reason: FinishReason | None, error: str = ""
+        seq: Sequence, tokens: list[int], upto: int, reason: FinishReason | None, error: str = "",
+        stage_rows: torch.Tensor | None = None,
     ) -> RequestOutput:
         new_text = seq.text[seq.num_emitted_chars : upto] if reason != FinishReason.ERROR else ""
         seq.num_emitted_chars = max(seq.num_emitted_chars, upto)
         return RequestOutput(
             seq.request_id, tokens, new_text, reason, seq.num_prompt_tokens, seq.num_output_tokens,
-            seq.num_cached_tokens, seq.kv_bytes_saved, error,
+            seq.num_cached_tokens, seq.kv_bytes_saved, error, stage_rows,
         )
 
 

@@ -6,6 +6,7 @@ where KV lives and how a step attends over it is the store's (`shared.engine.kv`
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from shared.engine.sampling import Sampler
 from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_dummy_model, build_model, use_layer_ops
+from shared.model.stages import LayerRange
 from shared.wire.log import get_logger
 
 log = get_logger(__name__)
@@ -54,6 +56,13 @@ class Runner(Protocol):
         before_layer: LayerCallback | None = None,
     ) -> dict[str, int]: ...
 
+    def execute_stage(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
+        before_layer: LayerCallback | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """A step of a pipeline stage before the last: each chunk's output rows by request id."""
+        ...
+
 
 class ModelRunner:
     """Runs forward passes over the KV store `build_kv_store` makes of the config.
@@ -73,17 +82,22 @@ class ModelRunner:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
+        self.stage = config.stage or LayerRange.whole(checkpoint.config.num_layers)
+        stage_config = self.stage.local_config(checkpoint.config)  # its KV store holds its layers alone
         if checkpoint.is_dummy:
-            self.model: Llama = build_dummy_model(checkpoint.config, config.torch_dtype, self.device)
+            self.model: Llama = build_dummy_model(checkpoint.config, config.torch_dtype, self.device,
+                                                  layers=self.stage)
         else:
-            self.model = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device)
+            self.model = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device,
+                                     layers=self.stage)
         self.block_size = config.block_size
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
         if self.device.type == "cpu" and self.backend is KernelBackend.TORCH and config.kernels == "auto":
             log.warning("decode attention takes the PyTorch reference (slower)", reason=auto_cpu_kernels_error())
         if self.backend is KernelBackend.CPU:
             use_layer_ops(self.model, cpu_layer_ops())  # norms, rotary and SwiGLU in C++ too
-        self.store: KvStore = build_kv_store(checkpoint, config, self.model.rotary, self.backend, on_block_event)
+        self.store: KvStore = build_kv_store(dataclasses.replace(checkpoint, config=stage_config), config,
+                                             self.model.rotary, self.backend, on_block_event)
         self.sampler = Sampler()
         self.eos_token_ids = list(checkpoint.tokenizer.eos_token_ids)
         # A vocabulary larger than the tokenizer's (padded embeddings; a dummy model's shape) never samples an id
@@ -103,12 +117,10 @@ class ModelRunner:
 
         During the forward pass, once each layer's new K/V are stored: `before_layer(layer_idx)` (it may block until
         prefix K/V loaded from outside is in the pool), then `after_layer(layer_idx)` (all of the layer's K/V are in
-        the pool), then attention.
+        the pool), then attention. At a pipeline stage, layer indices are the stage's own (from 0).
         """
-        chunks, ctx = self.store.attention(plan.chunks, block_tables, after_layer, before_layer)
-        input_ids, positions = self._flatten(chunks)
+        hidden, chunks = self._forward(plan, block_tables, after_layer, before_layer)
         with torch.inference_mode():
-            hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
             rows, seqs = self._sample_rows(chunks)
             if not rows:
                 return {}
@@ -119,6 +131,35 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
         self.tokens_ready_at = time.perf_counter()
         return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
+
+    def execute_stage(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
+        before_layer: LayerCallback | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Run one step of a pipeline stage before the last: each chunk's rows of the residual stream, [num_tokens,
+        hidden_size] by request id, for the next stage (hooks as for `execute`)."""
+        hidden, chunks = self._forward(plan, block_tables, after_layer, before_layer)
+        rows = hidden.split([c.num_tokens for c in chunks])
+        return {c.seq.request_id: r for c, r in zip(chunks, rows, strict=True)}
+
+    def _forward(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None,
+        before_layer: LayerCallback | None,
+    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """The step's forward pass over this runner's layers: (hidden states of every token, the chunks in the
+        order of its rows). A stage after the first starts from the rows its chunks' sequences received."""
+        chunks, ctx = self.store.attention(plan.chunks, block_tables, after_layer, before_layer)
+        input_ids, positions = self._flatten(chunks)
+        stage_input = None
+        if not self.stage.is_first:
+            parts = []
+            for chunk in chunks:
+                if chunk.seq.stage_input is None:
+                    raise ValueError(f"request {chunk.seq.request_id} has no rows from the stage before")
+                parts.append(chunk.seq.stage_input.take(chunk.seq.num_computed_tokens, chunk.num_tokens))
+            stage_input = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+        with torch.inference_mode():
+            return self.model(self._tensor(input_ids), self._tensor(positions), ctx, stage_input), chunks
 
     def forget(self, request_id: str) -> None:
         self.store.release(request_id)

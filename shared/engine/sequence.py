@@ -10,6 +10,7 @@ from shared.wire.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
+    from shared.engine.stage_input import StageInput
 
 
 class FinishReason(enum.StrEnum):
@@ -47,6 +48,15 @@ class Sequence:
     stop_checked_chars: int = 0
     prefix_source: PrefixSource | None = None  # where the prompt's prefix KV may be loaded from, at admission
     prefix_load: PrefixLoad | None = None  # that load, from admission to the end of the step that admitted it
+    stage_input: StageInput | None = None  # a pipeline stage after the first: its prompt's rows from the one before
+
+    @property
+    def num_ready_tokens(self) -> int:
+        """Tokens that can be computed now: all uncomputed ones, or, at a stage after the first, those whose rows
+        from the stage before have arrived."""
+        if self.stage_input is None:
+            return self.num_uncomputed_tokens
+        return min(self.num_uncomputed_tokens, self.stage_input.end - self.num_computed_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from torch import nn
 from kernels.layer_ops import REFERENCE_OPS, LayerOps
 from shared.model.config import LlamaConfig
 from shared.model.cpu_linear import can_pack, pack_linears
+from shared.model.stages import LayerRange
 
 
 class AttentionContext(Protocol):
@@ -125,25 +126,44 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder. `forward` maps a flat list of tokens (any mix of sequences) to final hidden states."""
+    """The decoder, or the layers of it one pipeline stage computes (`layers`; default: all of them). `forward` maps
+    a flat list of tokens (any mix of sequences) to final hidden states, or, for a stage before the last, to the
+    residual stream the next stage continues from.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    A stage holds its own layers only, numbered from 0 (as its KV store numbers them), the embedding if it is the
+    first (or the last with tied embeddings), and the final norm and LM head if it is the last.
+    """
+
+    def __init__(self, config: LlamaConfig, layers: LayerRange | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.stage = layers or LayerRange.whole(config.num_layers)
+        if self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(self.stage)))
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if self.stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size] (after the final norm)."""
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> [num_tokens, hidden_size]: hidden states after the final norm (the
+        last stage), or the residual stream after this stage's layers (a stage before it). `hidden` is the
+        previous stage's output (None: the first stage embeds `input_ids`)."""
+        if (hidden is None) != self.stage.is_first:
+            raise ValueError(f"{self.stage}: the first stage embeds tokens, the others continue a hidden state")
+        x, residual = (self.embed_tokens(input_ids) if hidden is None else hidden), None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
+        if not self.stage.is_last:
+            assert residual is not None  # a stage has at least one layer
+            return x + residual
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,10 +192,11 @@ class DenseCausalAttention:
 
 def fuse_hf_state_dict(
     state_dict: dict[str, torch.Tensor], config: LlamaConfig, dtype: torch.dtype | None = None,
-    device: torch.device | None = None,
+    device: torch.device | None = None, layers: LayerRange | None = None,
 ) -> dict[str, torch.Tensor]:
     """Hugging Face Llama names -> this module's names (q/k/v and gate/up fused), as new tensors in `dtype` on
-    `device` (None: as given); `state_dict` is left as it was."""
+    `device` (None: as given); `state_dict` is left as it was. With `layers`, the weights of that stage alone
+    (`Llama`'s), its layers numbered from 0."""
 
     def take(name: str) -> torch.Tensor:
         return state_dict[name].to(device=device, dtype=dtype, copy=True)
@@ -183,12 +204,16 @@ def fuse_hf_state_dict(
     def fused(names: list[str]) -> torch.Tensor:
         return torch.cat([state_dict[n].to(device=device, dtype=dtype) for n in names], dim=0)
 
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-                                    "norm.weight": take("model.norm.weight")}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
-    for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    stage = layers or LayerRange.whole(config.num_layers)
+    out: dict[str, torch.Tensor] = {}
+    if stage.is_first or (stage.is_last and config.tie_word_embeddings):
+        out["embed_tokens.weight"] = take("model.embed_tokens.weight")
+    if stage.is_last:
+        out["norm.weight"] = take("model.norm.weight")
+        if not config.tie_word_embeddings:
+            out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(stage.start, stage.end):
+        hf, ours = f"model.layers.{i}.", f"layers.{i - stage.start}."
         out[f"{ours}self_attn.qkv_proj.weight"] = fused([f"{hf}self_attn.{p}_proj.weight" for p in "qkv"])
         out[f"{ours}self_attn.o_proj.weight"] = take(f"{hf}self_attn.o_proj.weight")
         out[f"{ours}mlp.gate_up_proj.weight"] = fused([f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up")])
@@ -201,11 +226,14 @@ def fuse_hf_state_dict(
 DUMMY_WEIGHT_RANGE = 1e-3  # uniform weights in [-r, r], as vLLM's dummy loader: activations stay finite at any depth
 
 
-def build_dummy_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Llama:
-    """The decoder at `config`'s shape with random weights (norms 1), made in `dtype` on `device` with no copy
-    elsewhere: what `build_model` gives, for measuring speed where the real weights are not at hand."""
+def build_dummy_model(
+    config: LlamaConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, layers: LayerRange | None = None
+) -> Llama:
+    """The decoder (or the stage `layers`) at `config`'s shape with random weights (norms 1), made in `dtype` on
+    `device` with no copy elsewhere: what `build_model` gives, for measuring speed where the real weights are not at
+    hand. A stage's weights are not the whole model's of the same seed."""
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config, layers)
     model = model.to(dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -214,7 +242,7 @@ def build_dummy_model(config: LlamaConfig, dtype: torch.dtype, device: torch.dev
                 param.fill_(1.0)
             else:
                 param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and model.stage.is_last:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.eval().requires_grad_(False)
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta).to(device)
@@ -225,24 +253,25 @@ def build_dummy_model(config: LlamaConfig, dtype: torch.dtype, device: torch.dev
 
 def build_model(
     config: LlamaConfig, hf_state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-    pack_weights: bool = True,
+    pack_weights: bool = True, layers: LayerRange | None = None,
 ) -> Llama:
-    """Instantiate the decoder on `device` in `dtype` with the given Hugging Face-named weights, in eval mode.
+    """Instantiate the decoder (or the stage `layers` of it, with that stage's weights alone) on `device` in `dtype`
+    with the given Hugging Face-named weights, in eval mode.
 
     `pack_weights=False` keeps plain `nn.Linear` layers on CPU (autograd works through them; packed ones are
     inference-only).
     """
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config, layers)
     # The weights are converted once, straight into the model (no second copy of the whole model at the
     # checkpoint's dtype), so that loading takes about one model's memory beside the checkpoint.
-    weights = fuse_hf_state_dict(hf_state_dict, config, dtype, device)
+    weights = fuse_hf_state_dict(hf_state_dict, config, dtype, device, layers)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     del weights
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and model.stage.is_last:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.eval().requires_grad_(False)
     # RoPE tables stay fp32 whatever the weights are; they are cast per step, after the lookup.

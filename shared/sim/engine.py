@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from shared.engine.batching import StepPlan
 from shared.engine.block_hash import make_namespace
@@ -21,6 +22,9 @@ from shared.model.checkpoint import Checkpoint
 from shared.sim.cost import StepWork, step_time
 from shared.sim.manifest import sim_kv_format, sim_manifest
 from shared.sim.profiles import SimProfile, get_profile
+
+if TYPE_CHECKING:
+    import torch
 
 SIM_WORD = " sim"  # what every simulated token decodes to
 # A step that starts within this long of the previous one's end continues a busy engine: the host's own time between
@@ -102,6 +106,12 @@ class SimRunner:
         self._last_end = self.tokens_ready_at = end
         return {c.seq.request_id: self.token_id for c in plan.chunks if c.completes_sequence}
 
+    def execute_stage(
+        self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,
+        before_layer: LayerCallback | None = None,
+    ) -> dict[str, torch.Tensor]:
+        raise RuntimeError("the sim engine runs no pipeline stage (build_sim_engine refuses a stage's config)")
+
     def _layer_by_layer(self, start: float, seconds: float, after_layer: LayerCallback | None,
                         before_layer: LayerCallback | None) -> None:
         """Each layer takes its share of the step; a wait for loaded prefix KV delays the layers after it. The host's
@@ -136,8 +146,11 @@ def build_sim_engine(
     `kv_tokens` as `SimRunner`'s.
 
     Raises:
-        ValueError: an unknown profile, or a block size that leaves fewer than 2 blocks.
+        ValueError: an unknown profile, a block size that leaves fewer than 2 blocks, or a pipeline stage (the sim
+            engine models whole models only, so far).
     """
+    if config.stage is not None:
+        raise ValueError("the sim engine models whole models only; it runs no pipeline stage yet")
     profile = get_profile(profile_name)
     checkpoint = sim_checkpoint(profile, tokenizer_path)
     token_id = checkpoint.tokenizer.encode(SIM_WORD)[0]
