@@ -57,8 +57,8 @@ def permissions(role: str, subjects: Subjects) -> Permissions:
         ),
         Role.PREFILL: Permissions(
             publish=(f"{p}.decode.*.handoff", f"{p}.stream.*", f"{p}.kv.events.{role}.*", beats_of,
-                     f"{p}.cache.*.put", f"{p}.cache.*.get", f"{p}.cache.*.has"),
-            subscribe=(f"{p}.prefill.*.run", f"{p}.cancel", f"{p}.snapshot.{role}.*"),
+                     f"{p}.cache.*.put", f"{p}.cache.*.get", f"{p}.cache.*.has", f"{p}.prefill.*.stage"),
+            subscribe=(f"{p}.prefill.*.run", f"{p}.prefill.*.stage", f"{p}.cancel", f"{p}.snapshot.{role}.*"),
             responds=True,
         ),
         Role.DECODE: Permissions(

@@ -92,15 +92,17 @@ def shuffle_width(raw_size: int, itemsize: int) -> int:
     return itemsize if itemsize > 0 and raw_size % itemsize == 0 else 1
 
 
-def cut_payload(raw: Payload, part_bytes: int, itemsize: int = 1, align_bytes: int = 1) -> list[PartBody]:
+def cut_payload(
+    raw: Payload, part_bytes: int, itemsize: int = 1, align_bytes: int = 1, compress_payload: bool = True
+) -> list[PartBody]:
     """`raw` in parts of at most `part_bytes` raw bytes, each coded on its own (at least one part) and shuffled by
     `itemsize` where it holds whole elements (`shuffle_width`); parts hold whole units of `align_bytes` where one
-    fits in a part. Sizes alone stay one part."""
+    fits in a part. Sizes alone stay one part. `compress_payload` as `encode_part`'s."""
     if not isinstance(raw, bytes):
         return [encode_part(raw, 1)]
     step = max(1, part_bytes // align_bytes * align_bytes or part_bytes)
     pieces = [raw[i : i + step] for i in range(0, len(raw), step)] or [b""]
-    return [encode_part(piece, shuffle_width(len(piece), itemsize)) for piece in pieces]
+    return [encode_part(piece, shuffle_width(len(piece), itemsize), compress_payload) for piece in pieces]
 
 
 def _header(part: P) -> P:

@@ -28,6 +28,7 @@ TABLE: dict[str, tuple[set[str], set[str]]] = {
     "t.stream.r1": ({"prefill", "decode"}, {"gateway"}),
     "t.sched.failed": ({"scheduler"}, {"gateway"}),
     "t.prefill.p0.run": ({"scheduler"}, {"prefill"}),
+    "t.prefill.p1.stage": ({"prefill"}, {"prefill"}),
     "t.decode.d0.run": ({"scheduler"}, {"decode"}),
     "t.decode.d0.handoff": ({"prefill"}, {"decode"}),
     "t.cache.0.put": ({"prefill"}, {"cache-store"}),

@@ -35,7 +35,8 @@ from shared.wire.protocol import (
 _SAMPLE_VALUES = {int: 7, float: 0.5, str: "x-1", bool: True, bytes: b"\x00\xffkv"}
 # Fields whose sample must also satisfy the messages' invariants (parts within totals, known kinds and roles, ...).
 _VALID_VALUES = {"seq": 1, "layer_end": 9, "token_end": 9, "kind": "stored", "role": "decode",
-                 "samples": [[1.0, 2.5, 3.0]], "num_cached_tokens": 1, "index": 3, "tag": b"0123456789abcdef"}
+                 "samples": [[1.0, 2.5, 3.0]], "num_cached_tokens": 1, "index": 3, "tag": b"0123456789abcdef",
+                 "start": 1, "pipeline_group": ["x-1", "x-2"]}
 
 
 def _example(cls: type[Message]) -> Message:

@@ -33,6 +33,8 @@ from shared.wire.protocol.messages import (
     Role,
     Snapshot,
     SnapshotRequest,
+    StageRows,
+    StageTask,
     StreamEvent,
     SubmitReply,
     SubmitRequest,
@@ -46,6 +48,7 @@ __all__ = [
     "BlockPart", "BlockPut", "Cancel", "ErrorType", "ExpectHandoff", "FastGenProfilePart", "HandoffEnd",
     "HandoffStart", "Heartbeat", "KvChunk", "KvEvent", "Message",
     "PrefillTask", "ProtocolError", "Role", "SamplingError", "SamplingParams", "Snapshot", "SnapshotRequest",
+    "StageRows", "StageTask",
     "StreamEvent", "SubmitReply", "SubmitRequest", "Subjects",
     "attention_work", "decode", "encode", "is_valid_request_id", "message", "message_types", "unchecked_fields",
 ]

@@ -29,6 +29,8 @@ from shared.wire.protocol.messages import (
     Role,
     Snapshot,
     SnapshotRequest,
+    StageRows,
+    StageTask,
     StreamEvent,
     SubmitReply,
     SubmitRequest,
@@ -145,6 +147,23 @@ def _kv_chunk(msg: KvChunk) -> None:
     _require(0 <= msg.checksum < U64, msg.KIND, "checksum outside 64 bits")
 
 
+@invariants(StageTask)
+def _stage_task(msg: StageTask) -> None:
+    _prefill_task(msg.task)
+    _require(0 <= msg.start < len(msg.task.prompt_ids), msg.KIND, f"start {msg.start} outside the prompt")
+    _require(0 < msg.num_kv_chunks <= MAX_PARTS, msg.KIND, f"{msg.num_kv_chunks} KV chunks")
+
+
+@invariants(StageRows)
+def _stage_rows(msg: StageRows) -> None:
+    _request_id(msg.KIND, msg.request_id)
+    _part(msg.KIND, msg.seq, msg.total)
+    _non_negative(msg.KIND, token_start=msg.token_start, raw_size=msg.raw_size)
+    _require(msg.token_start < msg.token_end, msg.KIND, "an empty range")
+    _require(msg.hidden_size > 0, msg.KIND, f"hidden size {msg.hidden_size}")
+    _require(0 <= msg.checksum < U64, msg.KIND, "checksum outside 64 bits")
+
+
 @invariants(StreamEvent)
 def _stream_event(msg: StreamEvent) -> None:
     _request_id(msg.KIND, msg.request_id)
@@ -172,9 +191,15 @@ def _heartbeat(msg: Heartbeat) -> None:
                   block_bytes=msg.block_bytes, kv_block_tokens=msg.kv_block_tokens,
                   kv_stored_bytes=msg.kv_stored_bytes, kv_stored_blocks=msg.kv_stored_blocks,
                   kv_moved_bytes=msg.kv_moved_bytes, kv_moved_tokens=msg.kv_moved_tokens,
-                  kv_saved_bytes=msg.kv_saved_bytes, max_num_seqs=msg.max_num_seqs)
+                  kv_saved_bytes=msg.kv_saved_bytes, max_num_seqs=msg.max_num_seqs,
+                  pipeline_min_tokens=msg.pipeline_min_tokens)
     for request_id in msg.request_ids:
         _request_id(msg.KIND, request_id)
+    for member in msg.pipeline_group:
+        _token(msg.KIND, "pipeline_group", member)
+    group = msg.pipeline_group
+    _require(not group or (len(set(group)) == len(group) > 1 and msg.instance_id in group), msg.KIND,
+             "a pipeline group of fewer than two distinct instances, or not its sender's")
     ok = all(len(s) == 3 and all(math.isfinite(v) and v >= 0 for v in s) for s in msg.samples)
     _require(ok, msg.KIND, "a step sample that is not three finite, non-negative numbers")
 

@@ -181,6 +181,44 @@ class KvChunk(Message):
     block_size: int = 0  # tokens per block of the sending engine (the receiving one must page alike)
 
 
+# ---- between the stages of a prefill pipeline group -----------------------------------------------------------
+
+
+@message("stage-task")
+@dataclass(frozen=True)
+class StageTask(Message):
+    """prefill stage -> the next stage of its pipeline group (`prefill.<id>.stage`), before any rows: compute `task`'s
+    prompt from token `start` (the first stage reused the tokens before it) with this stage's layers, as its rows
+    arrive (`StageRows`), and stream those layers' KV to `task.decode_id` within the request's hand-off stream of
+    `num_kv_chunks` chunks (as many for every layer, numbered layer by layer). Also stage -> the other stages of
+    its group: `Cancel`, when it fails the request."""
+
+    task: PrefillTask
+    start: int
+    num_kv_chunks: int
+
+
+@message("stage-rows")
+@dataclass(frozen=True)
+class StageRows(Message):
+    """prefill stage -> the next stage (`prefill.<id>.stage`): one part of the residual stream of a prompt's tokens
+    [token_start, token_end), rows of `hidden_size` values in `dtype` ("bf16", "fp16", "fp32"); the parts of one range
+    (`seq` of `total`), decoded as `codec` says and joined, are its rows; `checksum` is xxh3-64 of this part's coded
+    `data` (`shared.wire.parts`). See `shared.wire.handoff.stage_rows`."""
+
+    request_id: str
+    token_start: int
+    token_end: int
+    hidden_size: int
+    dtype: str
+    seq: int
+    total: int
+    codec: str
+    raw_size: int
+    checksum: int
+    data: bytes
+
+
 # ---- streaming back to the gateway ----------------------------------------------------------------------------
 
 
@@ -241,7 +279,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 5
+    VERSION: ClassVar[int] = 6
 
     instance_id: str
     role: str
@@ -273,6 +311,10 @@ class Heartbeat(Message):
     kv_moved_tokens: int = 0
     kv_saved_bytes: int = 0  # decode with FastGen: KV bytes its running requests do not hold (against full caches)
     max_num_seqs: int = 0  # prefill and decode: the most sequences a step runs (0: not reported)
+    # Prefill in a pipeline group (`TSUKIMI_CPP_GROUP`): the group's instances, first stage first, and the prompt
+    # tokens to compute from which the first stage runs a prompt on the group (empty, 0: in no group).
+    pipeline_group: list[str] = field(default_factory=list)
+    pipeline_min_tokens: int = 0
 
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"  # the kinds of KvEvent

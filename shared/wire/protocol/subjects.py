@@ -54,6 +54,10 @@ class Subjects:
     def prefill_run(self, instance_id: str) -> str:
         return f"{self.prefix}.prefill.{instance_id}.run"
 
+    def prefill_stage(self, instance_id: str) -> str:
+        """A prefill pipeline group's stage -> the next one (`StageTask`, `StageRows`)."""
+        return f"{self.prefix}.prefill.{instance_id}.stage"
+
     def decode_run(self, instance_id: str) -> str:
         return f"{self.prefix}.decode.{instance_id}.run"
 
