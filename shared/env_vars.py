@@ -86,6 +86,12 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_KV_CHUNK_KB", "256", "largest KV payload per NATS message, KiB"),
         EnvVar("TSUKIMI_KV_BUFFER_MB", "1024",
                "decode: most MiB of prompt KV in flight (1/16 of it for KV the scheduler did not announce)"),
+        EnvVar("TSUKIMI_CPP_GROUP", "",
+               "prefill: the instance ids of this instance's pipeline group, first stage first, comma-separated (empty:"
+               " none; `tsukimi up --cpp-group N` sets it): long prompts run through the group's stages"),
+        EnvVar("TSUKIMI_CPP_MIN_TOKENS", "2048",
+               "prefill in a pipeline group: prompts with at least this many tokens to compute run on the group"),
+        EnvVar("TSUKIMI_CPP_KV_MB", "256", "prefill in a pipeline group: MiB of its stage's own KV pool (its layers)"),
         EnvVar("TSUKIMI_KV_COMPRESS", "off", "LZ4 on prefill->decode KV chunks: on pays on links under ~40 MB/s"),
         EnvVar("TSUKIMI_POLICY", "conductor",
                "placement: random, round_robin, least_loaded, local_cache_aware or conductor"),

@@ -20,6 +20,7 @@ from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_prefill_steps
 from services.prefill.fetch import StoreLoader
 from services.prefill.measure import StepSamples
+from services.prefill.stage import PipelineStage
 from shared.config import EngineSettings
 from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
@@ -79,12 +80,15 @@ class PrefillService:
             `events.record` as its block-event hook (`services.prefill.__main__.build` makes both).
         cache: the cache-store client, or None to run without the shared pool.
         events: the log of the engine's prefix-cache changes, in this instance's epoch.
+        stage: its stage of a pipeline group: long prompts that reach the group's first stage run on the group.
     """
 
     def __init__(
-        self, settings: EngineSettings, bus: Bus, engine: LLMEngine, cache: CacheClient | None, events: KvEventLog
+        self, settings: EngineSettings, bus: Bus, engine: LLMEngine, cache: CacheClient | None, events: KvEventLog,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.settings, self.bus, self.engine, self.cache = settings, bus, engine, cache
+        self.stage = stage  # this instance's stage of its pipeline group (`TSUKIMI_CPP_GROUP`), if it is in one
         self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
         self._held: dict[str, _Held] = {}
@@ -113,6 +117,8 @@ class PrefillService:
         await self.bus.route(subjects.cancel, {Cancel: self.handle_cancel})
         await self.bus.route(subjects.snapshot(Role.PREFILL, me), {SnapshotRequest: self.handle_snapshot})
         self.host.start(self._tick, self._deliver)
+        if self.stage is not None:
+            await self.stage.start()
         self._heartbeat.start()
         await self._heartbeat.send_now()
 
@@ -126,6 +132,8 @@ class PrefillService:
         if self.loader is not None:
             await self.loader.stop()
         await self.host.stop()
+        if self.stage is not None:
+            await self.stage.stop()
         await self.tasks.close()
         self._encoder.shutdown(wait=True)
 
@@ -142,11 +150,14 @@ class PrefillService:
             num_queued_tokens=sum(num_tokens - done for num_tokens, done in left),
             queued_attention_work=float(sum(attention_work(num_tokens, done) for num_tokens, done in left)),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
-            request_ids=list(self._held), samples=self.samples.take(),
+            request_ids=list(self._held) + ([] if self.stage is None else self.stage.request_ids),
+            samples=self.samples.take(),
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
             block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
             kv_moved_tokens=self._moved_tokens, max_num_seqs=self.engine.runner.max_num_seqs,
+            pipeline_group=list(self.settings.cpp_group) if self.stage is not None else [],
+            pipeline_min_tokens=self.settings.cpp_min_tokens if self.stage is not None else 0,
         )
 
     async def handle_task(self, msg: PrefillTask) -> None:
@@ -167,6 +178,8 @@ class PrefillService:
         self.tasks.spawn(self._admit(held, params), f"admit-{msg.request_id}")
 
     async def handle_cancel(self, msg: Cancel) -> None:
+        if self.stage is not None:
+            await self.stage.handle_cancel(msg)
         held = self._held.get(msg.request_id)
         if held is not None:
             held.cancelled = True
@@ -187,6 +200,9 @@ class PrefillService:
     async def _admit(self, held: _Held, params: SamplingParams) -> None:
         """See what the cache-store holds, then queue the prompt in the engine (with the store's prefix to load)."""
         task = held.task
+        if self.stage is not None and await self.stage.takes(task.prompt_ids):
+            await self._lead_pipeline(held)
+            return
         try:
             source = await self._store_prefix(held)
             if not held.cancelled:  # the stream opens before any of its KV can be sent
@@ -204,6 +220,19 @@ class PrefillService:
             self._held.pop(task.request_id, None)
             return
         self.host.wake()
+
+    async def _lead_pipeline(self, held: _Held) -> None:
+        """A long prompt runs on the pipeline group this instance leads: open its hand-off, then the stage has it
+        (the cache-store's prefix is not loaded into stages yet, nor are their blocks put there)."""
+        task = held.task
+        self._held.pop(task.request_id, None)
+        if held.cancelled:
+            return
+        await self._publish_handoff(held, HandoffStart(
+            task.request_id, task.prompt_ids, task.sampling, self.settings.instance_id, held.num_chunks
+        ))
+        assert self.stage is not None
+        await self.stage.lead(task, held.num_chunks)
 
     async def _store_prefix(self, held: _Held) -> PrefixSource | None:
         """How much of the prompt the cache-store holds; a source of it when the task lets us fetch it."""

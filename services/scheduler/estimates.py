@@ -5,6 +5,7 @@ at the moment the request would reach it. Built from heartbeats, the block index
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +67,20 @@ class ClusterView:
     max_batched_tokens: int = 2048  # a step's token budget (TSUKIMI_MAX_BATCHED_TOKENS): a prefill chunk's most
 
     # ---- prefill ------------------------------------------------------------------------------------------------
+
+    def for_prompt(self, num_tokens: int) -> ClusterView:
+        """The view a prompt of `num_tokens` is placed in: one long enough for a pipeline group
+        (`Heartbeat.pipeline_group`) runs on it from its first stage, so, while that one is alive, the group's other
+        instances are no option for it (shorter prompts run whole on any instance)."""
+        alive = {b.instance_id for b in self.prefills}
+
+        def is_later_stage(beat: Heartbeat) -> bool:
+            group = beat.pipeline_group
+            return bool(group) and group[0] != beat.instance_id and group[0] in alive and (
+                num_tokens >= beat.pipeline_min_tokens)
+
+        prefills = [b for b in self.prefills if not is_later_stage(b)]
+        return self if len(prefills) == len(self.prefills) else dataclasses.replace(self, prefills=prefills)
 
     def queued_work(self, beat: Heartbeat) -> tuple[int, float]:
         """Prompt tokens waiting at this prefill instance, and their attention work: what its heartbeat reports (of a

@@ -115,6 +115,7 @@ class SchedulerService:
         while not self._has_required(view) and time.monotonic() < self._ready_at:
             await asyncio.sleep(0.05)
             view = self.view()
+        view = view.for_prompt(len(msg.prompt_ids))
         required = [(Role.DECODE, view.decodes)] if self.is_colocated else [(Role.PREFILL, view.prefills),
                                                                              (Role.DECODE, view.decodes)]
         for role, alive in required:

@@ -161,8 +161,19 @@ def _engine_service(get: Reader, role: str) -> Fields:
         kv_buffer_bytes=get.integer("TSUKIMI_KV_BUFFER_MB", minimum=1) << 20,
         kv_compress=get.switch("TSUKIMI_KV_COMPRESS"),
         cache_shards=get.integer("TSUKIMI_CACHE_SHARDS", minimum=1),
+        cpp_group=_cpp_group(get.text("TSUKIMI_CPP_GROUP")),
+        cpp_min_tokens=get.integer("TSUKIMI_CPP_MIN_TOKENS", minimum=1),
+        cpp_kv_bytes=get.integer("TSUKIMI_CPP_KV_MB", minimum=1) << 20,
         cache_block_key=secret(get, "TSUKIMI_CACHE_BLOCK_KEY").encode(),
     )
+
+
+def _cpp_group(text: str) -> tuple[str, ...]:
+    """TSUKIMI_CPP_GROUP: distinct instance ids, at least two (empty: no group)."""
+    group = tuple(part.strip() for part in text.split(",") if part.strip())
+    if group and (len(group) < 2 or len(set(group)) != len(group)):
+        raise ConfigError(f"TSUKIMI_CPP_GROUP={text!r} must name at least two distinct prefill instances")
+    return group
 
 
 def _cache_store(get: Reader, role: str) -> Fields:

@@ -72,6 +72,9 @@ class EngineSettings(ServiceSettings):
     kv_buffer_bytes: int
     kv_compress: bool
     cache_shards: int
+    cpp_group: tuple[str, ...]  # this prefill instance's pipeline group, first stage first (empty: none)
+    cpp_min_tokens: int
+    cpp_kv_bytes: int
     cache_block_key: bytes = field(repr=False)
 
     def secrets(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ from shared.engine.runner import ModelRunner, Runner
 from shared.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.engine.stage_input import StageInput
 from shared.model.checkpoint import Checkpoint, load_checkpoint
+from shared.model.stages import LayerRange
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.wire.log import get_logger
 from shared.wire.protocol import SamplingParams
@@ -79,6 +81,21 @@ class LLMEngine(KvHandoff):
         engine = cls(load_checkpoint(model_path), config, on_block_event=on_block_event)
         _give_back_freed_memory()
         return engine
+
+    def stage_engine(self, layers: LayerRange, kv_cache_bytes: int) -> LLMEngine:
+        """An engine for the pipeline stage `layers` of this whole-model engine's model, sharing its weights, with a
+        KV pool of its own of `kv_cache_bytes` (its layers only): what a prefill instance of a pipeline group runs
+        long prompts on.
+
+        Raises:
+            ValueError: this engine runs no model of its own (the sim engine's), or is a stage itself.
+        """
+        runner = self.runner
+        if not isinstance(runner, ModelRunner) or self.config.stage is not None:
+            raise ValueError("a pipeline stage needs a whole model that this engine runs")
+        config = dataclasses.replace(self.config, stage=layers, kv_cache_bytes=kv_cache_bytes)
+        model = runner.model.stage_of(layers)
+        return LLMEngine(runner.checkpoint, config, ModelRunner(runner.checkpoint, config, model=model))
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix_source: PrefixSource | None = None

@@ -71,21 +71,29 @@ class ModelRunner:
         checkpoint: the loaded model files.
         config: engine settings (device, dtype, KV store, kernels).
         on_block_event: hears every change of the prefix cache's index (`BlockManager`'s `on_event`).
+        model: run this model (another engine's, or a `Llama.stage_of` view of it) instead of building one.
     Raises:
         ValueError: a KV budget of fewer than 2 blocks, an unknown or unavailable kernel backend, or a KV codec
             calibration that does not fit the model.
     """
 
     def __init__(
-        self, checkpoint: Checkpoint, config: EngineConfig, on_block_event: BlockEventHook | None = None
+        self, checkpoint: Checkpoint, config: EngineConfig, on_block_event: BlockEventHook | None = None,
+        model: Llama | None = None,
     ) -> None:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
         self.stage = config.stage or LayerRange.whole(checkpoint.config.num_layers)
         stage_config = self.stage.local_config(checkpoint.config)  # its KV store holds its layers alone
-        if checkpoint.is_dummy:
-            self.model: Llama = build_dummy_model(checkpoint.config, config.torch_dtype, self.device,
+        self.checkpoint = dataclasses.replace(checkpoint, state_dict={})  # what another engine over its model needs
+        self.model: Llama
+        if model is not None:
+            if model.stage != self.stage:
+                raise ValueError(f"a model of {model.stage} for an engine of {self.stage}")
+            self.model = model
+        elif checkpoint.is_dummy:
+            self.model = build_dummy_model(checkpoint.config, config.torch_dtype, self.device,
                                                   layers=self.stage)
         else:
             self.model = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device,
@@ -94,7 +102,7 @@ class ModelRunner:
         self.backend: KernelBackend = select_backend(config.kernels, self.device)
         if self.device.type == "cpu" and self.backend is KernelBackend.TORCH and config.kernels == "auto":
             log.warning("decode attention takes the PyTorch reference (slower)", reason=auto_cpu_kernels_error())
-        if self.backend is KernelBackend.CPU:
+        if self.backend is KernelBackend.CPU and model is None:
             use_layer_ops(self.model, cpu_layer_ops())  # norms, rotary and SwiGLU in C++ too
         self.store: KvStore = build_kv_store(dataclasses.replace(checkpoint, config=stage_config), config,
                                              self.model.rotary, self.backend, on_block_event)

@@ -138,6 +138,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.stage = layers or LayerRange.whole(config.num_layers)
+        self.layer_offset = 0  # what its layers' own indices exceed the stage's (a `stage_of` view: its start)
         if self.stage.is_first or (self.stage.is_last and config.tie_word_embeddings):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(self.stage)))
@@ -147,6 +148,22 @@ class Llama(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             if config.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def stage_of(self, layers: LayerRange) -> Llama:
+        """This whole model's `layers` as a stage that shares its weights (no copy): a prefill instance of a
+        pipeline group runs short prompts on the whole model and its stage of long ones on this."""
+        if not self.stage.is_whole or layers.num_layers != self.config.num_layers:
+            raise ValueError(f"{layers} of a model that holds {self.stage}")
+        with torch.device("meta"):  # what the stage would own, replaced by this model's modules below
+            view = Llama(self.config, layers)
+        view.layers = nn.ModuleList(self.layers[layers.start : layers.end])
+        view.layer_offset = layers.start  # its layers number themselves as in this model
+        view.rotary = self.rotary
+        if hasattr(view, "embed_tokens"):
+            view.embed_tokens = self.embed_tokens
+        if layers.is_last:
+            view.norm, view.lm_head = self.norm, self.lm_head
+        return view
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
@@ -159,6 +176,8 @@ class Llama(nn.Module):
             raise ValueError(f"{self.stage}: the first stage embeds tokens, the others continue a hidden state")
         x, residual = (self.embed_tokens(input_ids) if hidden is None else hidden), None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.layer_offset:  # a view's layers (`stage_of`): the KV store numbers them from 0
+            ctx = _OffsetContext(ctx, self.layer_offset)
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
         if not self.stage.is_last:
@@ -169,6 +188,18 @@ class Llama(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> fp32 logits [n, vocab_size]; call it only on the rows that will be sampled."""
         return self.lm_head(hidden).float()
+
+
+class _OffsetContext:
+    """An attention context seen by layers that number themselves `offset` higher than it does."""
+
+    def __init__(self, ctx: AttentionContext, offset: int) -> None:
+        self.ctx, self.offset = ctx, offset
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre_rope: torch.Tensor
+    ) -> torch.Tensor:
+        return self.ctx.attend(layer_idx - self.offset, q, k, v, k_pre_rope)
 
 
 def use_layer_ops(model: nn.Module, ops: LayerOps) -> None:

@@ -81,6 +81,7 @@ class Topology:
         model: TSUKIMI_MODEL for every service (None: the default model).
         cache_ssd_dir: the cache-store SSD tier folder; with several shards each gets `shard-<i>` inside it.
         engine_threads: TSUKIMI_NUM_THREADS of each prefill and decode instance (0: not set).
+        cpp_group: prefill instances per pipeline group (1: none); each gets its group's ids as TSUKIMI_CPP_GROUP.
         kv_memory_fraction: TSUKIMI_KV_MEMORY_FRACTION of each prefill and decode instance (0: not set).
         extra_env: more TSUKIMI_* settings for every instance (the scheduler's policy and SLOs from flags).
         nats_password_files: (role, path) of the file holding each role's NATS password (`tsukimi up`'s own; none:
@@ -100,6 +101,7 @@ class Topology:
     cache_ssd_dir: str | None = None
     engine_threads: int = 0
     kv_memory_fraction: float = 0.0
+    cpp_group: int = 1
     extra_env: tuple[tuple[str, str], ...] = ()
     nats_password_files: tuple[tuple[str, str], ...] = ()
     block_key_file: str = ""
@@ -110,6 +112,8 @@ class Topology:
                 raise TopologyError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.colocated and self.prefill:
             raise TopologyError(f"a colocated deployment has no prefill pool, got prefill={self.prefill}")
+        if self.cpp_group < 1 or self.prefill % self.cpp_group:
+            raise TopologyError(f"{self.prefill} prefill instances do not make pipeline groups of {self.cpp_group}")
         if not 0 < self.port < 65536:
             raise TopologyError(f"port must be in 1..65535, got {self.port}")
 
@@ -118,6 +122,11 @@ class Topology:
         if service.scaling is Scaling.SINGLE:
             return 1
         return {"prefill": self.prefill, "decode": self.decode, "cache-store": self.cache_stores}[service.name]
+
+    def pipeline_group(self, prefill_index: int) -> list[str]:
+        """The instance ids of the pipeline group of prefill instance `prefill_index`, first stage first."""
+        first = prefill_index // self.cpp_group * self.cpp_group
+        return [f"prefill-{i}" for i in range(first, first + self.cpp_group)]
 
     def service_env(self, service: ServiceDef) -> dict[str, str]:
         """The TSUKIMI_* settings every instance of `service` gets (no instance id, no shard index)."""
@@ -157,6 +166,8 @@ class Topology:
             for index in range(self.count(service)):
                 instance_id = f"{service.name}-{index}"
                 env = self.service_env(service) | {"TSUKIMI_INSTANCE_ID": instance_id}
+                if service.name == "prefill" and self.cpp_group > 1:
+                    env["TSUKIMI_CPP_GROUP"] = ",".join(self.pipeline_group(index))
                 if service.scaling is Scaling.SHARDS:
                     env |= self.shard_env(index, split_ssd_dir=True)
                 specs.append(ProcessSpec(instance_id, (python, "-m", service.module), env))
@@ -194,7 +205,12 @@ def compose_document(topology: Topology) -> dict[str, Any]:
     """The docker-compose document (plain dicts, lists, strings and ints) for `topology`.
 
     Instance ids are left unset, so each container uses the default `<role>-<hostname>-<pid>` (unique per container).
+
+    Raises:
+        TopologyError: pipeline groups, whose members name each other by instance id (not in compose yet).
     """
+    if topology.cpp_group > 1:
+        raise TopologyError("pipeline groups (--cpp-group) run under `tsukimi up` only, not yet in compose")
     services: dict[str, Any] = {"nats": _compose_nats()}
     volumes: dict[str, Any] = {}
     for name, service, shard in compose_services(topology):

@@ -79,7 +79,7 @@ class System:
         return found
 
 
-def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> System:
+def start_system(tmp: Path, env_overrides: dict[str, str] | None = None, args: list[str] | None = None) -> System:
     secrets = Secrets.generate()
     nats = EmbeddedNatsServer(auth=secrets, extra_users=(WATCHER,)).start()
     port = free_port()
@@ -96,7 +96,7 @@ def start_system(tmp: Path, env_overrides: dict[str, str] | None = None) -> Syst
             "TSUKIMI_SLO_TTFT_MS": "600000", "TSUKIMI_SLO_TBT_MS": "600000"}
     env |= env_overrides or {}
     cmd = [sys.executable, "-m", "shared", "up", "--prefill", "2", "--decode", "2", "--port", str(port),
-           "--nats-url", nats.url, "--nats-secrets", str(secrets_file), "--log-dir", str(log_dir)]
+           "--nats-url", nats.url, "--nats-secrets", str(secrets_file), "--log-dir", str(log_dir), *(args or [])]
     with open(stdout_path, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     system = System(process, nats, port, log_dir, stdout_path)

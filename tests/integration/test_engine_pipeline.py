@@ -99,6 +99,28 @@ def test_stages_prefill_what_one_engine_does(make_engine, num_stages: int) -> No
     assert tokens == expected.token_ids
 
 
+def test_stages_of_whole_engines_share_their_weights(make_engine) -> None:
+    """A prefill instance of a group keeps its whole model for short prompts; its stage of long ones runs on the
+    same weights, with a KV pool of its own."""
+    whole = make_engine(max_num_batched_tokens=CHUNK)
+    prompt = _prompt(whole)
+    (expected,) = whole.generate([prompt], GREEDY)
+    ranges = split_layers(whole.model_config.num_layers, 2)
+    hosts = [make_engine(max_num_batched_tokens=CHUNK) for _ in ranges]
+    stages = [host.stage_engine(r, 32 << 20) for host, r in zip(hosts, ranges, strict=True)]
+    for host, stage in zip(hosts, stages, strict=True):
+        shared = {id(p) for p in host.runner.model.parameters()}
+        assert all(id(p) in shared for p in stage.runner.model.parameters())
+        assert stage.store.num_layers == len(stage.config.stage) and stage.block_manager is not host.block_manager
+    pipeline = Pipeline(stages)
+    first = pipeline.run("r1", prompt)
+    tokens = _decode_rest(make_engine(), "r1", prompt, first, pipeline.prompt_kv("r1"))
+    assert tokens == expected.token_ids
+    assert hosts[0].generate([prompt], GREEDY)[0].token_ids == expected.token_ids  # the host still runs whole
+    with pytest.raises(ValueError, match="whole model"):
+        stages[0].stage_engine(ranges[0], 16 << 20)
+
+
 def test_stage_holds_only_its_layers(make_engine) -> None:
     whole = make_engine()
     first, last = (make_engine(stage=r) for r in split_layers(whole.model_config.num_layers, 2))

@@ -52,3 +52,15 @@ def test_only_the_engines_hold_the_block_key_and_keep_it_out_of_their_logs() -> 
     prefill = load_settings("prefill", env)
     assert set(prefill.secrets()) == {"k" * 32, "p" * 16} and "k" * 32 not in repr(prefill)
     assert load_settings("scheduler", env).secrets() == ("p" * 16,)
+
+
+def test_a_pipeline_group_names_two_or_more_distinct_instances() -> None:
+    settings = load_settings("prefill", {"TSUKIMI_CPP_GROUP": " prefill-0, prefill-1 ", "TSUKIMI_CPP_MIN_TOKENS": "64"})
+    assert isinstance(settings, EngineSettings)
+    assert settings.cpp_group == ("prefill-0", "prefill-1") and settings.cpp_min_tokens == 64
+    assert load_settings("prefill", {}).cpp_group == ()  # type: ignore[attr-defined]
+    for bad in ("prefill-0", "prefill-0,prefill-0"):
+        with pytest.raises(ConfigError, match="at least two distinct"):
+            load_settings("prefill", {"TSUKIMI_CPP_GROUP": bad})
+    with pytest.raises(ConfigError, match="TSUKIMI_CPP_MIN_TOKENS"):
+        load_settings("prefill", {"TSUKIMI_CPP_MIN_TOKENS": "0"})

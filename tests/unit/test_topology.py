@@ -199,3 +199,16 @@ def test_up_specs_split_the_ssd_dir_and_cpu_threads() -> None:
 def test_a_topology_that_cannot_run_is_refused(kwargs: dict[str, int]) -> None:
     with pytest.raises(TopologyError):
         Topology(**kwargs)  # type: ignore[arg-type]
+
+
+def test_up_specs_give_each_prefill_instance_its_pipeline_group() -> None:
+    specs = {spec.name: spec.env for spec in Topology(prefill=4, cpp_group=2).process_specs()}
+    groups = {name: env.get("TSUKIMI_CPP_GROUP") for name, env in specs.items() if name.startswith("prefill")}
+    assert groups == {"prefill-0": "prefill-0,prefill-1", "prefill-1": "prefill-0,prefill-1",
+                      "prefill-2": "prefill-2,prefill-3", "prefill-3": "prefill-2,prefill-3"}
+    assert "TSUKIMI_CPP_GROUP" not in specs["decode-0"]
+    assert all("TSUKIMI_CPP_GROUP" not in env for env in (s.env for s in Topology(prefill=2).process_specs()))
+    with pytest.raises(TopologyError, match="3 prefill instances do not make pipeline groups of 2"):
+        Topology(prefill=3, cpp_group=2)
+    with pytest.raises(TopologyError, match="not yet in compose"):
+        compose_document(Topology(prefill=2, cpp_group=2))

@@ -51,8 +51,10 @@ share the CPU cores (TSUKIMI_NUM_THREADS) and half the memory available for thei
 (TSUKIMI_KV_MEMORY_FRACTION) unless they are set, and prompts of up to 512 tokens may be prefilled on the decode
 instance where the Conductor predicts that faster within the TBT SLO (TSUKIMI_LOCAL_PREFILL_TOKENS=512, the
 default elsewhere 128: the prefill instance has only its share of this machine's cores); with several shards a
-TSUKIMI_CACHE_SSD_DIR becomes one shard-<i> folder each. Every other TSUKIMI_* variable of this shell is passed
-through (an unknown one is an error). The same topology in containers: `tsukimi compose`.
+TSUKIMI_CACHE_SSD_DIR becomes one shard-<i> folder each; with --cpp-group N each prefill instance gets
+TSUKIMI_CPP_GROUP, the ids of its group (prefill-0..N-1, then prefill-N..2N-1, ...). Every other TSUKIMI_*
+variable of this shell is passed through (an unknown one is an error). The same topology in containers: `tsukimi
+compose` (without pipeline groups, so far).
 
 Simulation (`--engine sim --profile llama3-70b-8xa800`): the same services, NATS, scheduler and cache-store, but no
 model runs: each prefill and decode step sleeps for the time a roofline model of that model on those GPUs predicts
@@ -83,6 +85,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="instead of prefill and decode pools, N instances that each prefill (chunked, with their own prefix "
              "cache) and decode their requests: the vLLM-style baseline; route with --policy round_robin, "
              "least_loaded or random",
+    )
+    parser.add_argument(
+        "--cpp-group", type=positive_int, metavar="N",
+        help="prefill instances per pipeline group (chunked pipeline parallelism): each group computes a prompt of "
+             "at least TSUKIMI_CPP_MIN_TOKENS new tokens as N stages of the model's layers, chunk after chunk; "
+             "--prefill must be a multiple of N (default: 1, no groups)",
     )
     parser.add_argument(
         "--cache-stores", type=positive_int, default=1, metavar="N", help="cache-store shards (default: 1)"
@@ -271,6 +279,8 @@ def engine_threads(num_engines: int) -> int:
 def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
     if args.colocated and (args.prefill or args.decode):
         raise CliError("--colocated N replaces --prefill and --decode")
+    if args.colocated and args.cpp_group:
+        raise CliError("--cpp-group groups prefill instances; a colocated deployment has none")
     prefill, decode = (0, args.colocated) if args.colocated else (args.prefill or 1, args.decode or 1)
     model = None
     if args.model and is_dummy(args.model):
@@ -292,7 +302,7 @@ def _topology(args: argparse.Namespace, settings: ClusterSettings) -> Topology:
             prefill=prefill, decode=decode, cache_stores=args.cache_stores, colocated=bool(args.colocated),
             host=args.host or settings.host, port=settings.port if args.port is None else args.port,
             nats_url=args.nats_url or settings.nats_url, model=model, cache_ssd_dir=settings.cache_ssd_dir,
-            engine_threads=threads, kv_memory_fraction=kv_share,
+            engine_threads=threads, kv_memory_fraction=kv_share, cpp_group=args.cpp_group or 1,
         )
     except TopologyError as exc:
         raise CliError(str(exc)) from None

@@ -37,6 +37,7 @@ class SystemSpec:
         policy: placement policy (a colocated system: its routing).
         num_prefill, num_decode: the pools; ignored when `colocated` > 0.
         colocated: that many instances that prefill and decode (the vLLM-style baseline), no prefill pool.
+        cpp_group: prefill instances per pipeline group (`tsukimi up --cpp-group`; 1: none).
         engine, profile: `real`, or `sim` with a profile of shared.sim.profiles.
         rejection, slo_ttft_ms, slo_tbt_ms: the scheduler's early rejection and SLOs (None: the defaults).
         env: more TSUKIMI_* settings; they win over `DEFAULT_ENV` and this shell's.
@@ -47,6 +48,7 @@ class SystemSpec:
     num_decode: int = 2
     num_cache_stores: int = 2
     colocated: int = 0
+    cpp_group: int = 1
     engine: str = "real"
     profile: str | None = None
     rejection: str = "off"
@@ -83,6 +85,8 @@ class SystemSpec:
             if self.colocated
             else ["--prefill", str(self.num_prefill), "--decode", str(self.num_decode)]
         )
+        if self.cpp_group > 1:
+            cmd += ["--cpp-group", str(self.cpp_group)]
         if self.engine != "real":
             cmd += ["--engine", self.engine] + (["--profile", self.profile] if self.profile else [])
         for flag, value in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tbt-ms", self.slo_tbt_ms)):

@@ -1,0 +1,42 @@
+"""Placement with pipeline groups (issue 22): a prompt long enough for a group runs on it from its first stage, so
+the group's later stages are no option for it while the first is alive; shorter prompts go anywhere; a heartbeat
+that names a group without its sender, or a group of one, is refused on decode."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from test_scheduler import _beat, _cluster, _service, _submit
+
+from shared.wire.protocol import Heartbeat, ProtocolError, Role, decode, encode
+
+GROUP = ["p0", "p1"]
+
+
+def _member(instance: str, queued: int = 0) -> Heartbeat:
+    return dataclasses.replace(_beat(instance, Role.PREFILL, queued=queued), pipeline_group=GROUP,
+                               pipeline_min_tokens=1000)
+
+
+async def test_long_prompts_start_at_the_first_stage_and_short_ones_go_anywhere() -> None:
+    scheduler, _, _ = _service(TSUKIMI_POLICY="least_loaded")
+    await _cluster(scheduler, _member("p0", queued=5000), _member("p1"), _beat("p2", Role.PREFILL, queued=9000),
+                   _beat("d0", Role.DECODE))
+    assert [b.instance_id for b in scheduler.view().for_prompt(1000).prefills] == ["p0", "p2"]
+    assert (await scheduler.handle_submit(_submit("long", 1200))).prefill_id == "p0"  # p1 is idle, but a stage
+    assert (await scheduler.handle_submit(_submit("short", 900))).prefill_id == "p1"
+
+
+async def test_without_its_first_stage_a_group_member_takes_long_prompts_whole() -> None:
+    scheduler, _, _ = _service(TSUKIMI_POLICY="least_loaded")
+    await _cluster(scheduler, _member("p1"), _beat("p2", Role.PREFILL, queued=9000), _beat("d0", Role.DECODE))
+    assert (await scheduler.handle_submit(_submit("long", 5000))).prefill_id == "p1"
+
+
+@pytest.mark.parametrize("group", [["p1", "p2"], ["p0"], ["p0", "p0"], ["p0", "bad id"]])
+def test_a_heartbeat_with_a_group_not_its_own_is_refused(group: list[str]) -> None:
+    beat = dataclasses.replace(_member("p0"), pipeline_group=group, sent_at=time.time())
+    with pytest.raises(ProtocolError):
+        decode(encode(beat), Heartbeat)
