@@ -34,7 +34,7 @@ MODELED_NETWORK_BYTES_S = 800e9 / 8  # services.virtual's default node interface
 SETUPS = {  # name: (prefill instances, pipeline group size, torch threads an engine)
     "one instance": (1, 1, 1),
     "group of 2": (2, 2, 1),
-    "one instance, 2 threads": (1, 1, 2),  # the same cores as the group, in one process
+    "one instance on 2 threads": (1, 1, 2),  # the same cores as the group, in one process
 }
 
 
@@ -70,7 +70,10 @@ async def run_setup(name: str, texts: list[str], log_root: Path, min_tokens: int
         stop_system(system)
     ttfts = [o.ttft_s for o in outcomes if o.status == "ok" and o.ttft_s is not None]
     rows_bytes = [line["rows_bytes"] for line in _log_events(log_dir / "prefill-0.log", "pipeline stage done")]
+    predicted = [line["predicted_ttft_s"] for line in _log_events(log_dir / "scheduler-0.log", "placed")
+                 if str(line.get("request_id", "")).startswith("long-")]
     return {"setup": name, "ttft_s": ttfts, "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "predicted_ttft_s": predicted,
             "prompt_tokens": [o.prompt_tokens for o in outcomes], "failed": len(outcomes) - len(ttfts),
             "rows_bytes": rows_bytes}
 
@@ -84,9 +87,9 @@ def _log_events(path: Path, event: str) -> list[dict[str, Any]]:
 
 def report(results: list[dict[str, Any]], kv_bytes_per_token: int) -> None:
     base = results[0]["ttft_p50_s"]
-    print("| setup | TTFT p50 s | vs one instance | runs | stage-boundary bytes a prompt | prompt KV to decode "
-          "| boundary / KV |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| setup | TTFT p50 s | vs one instance | the Conductor's prediction, p50 s | runs "
+          "| stage-boundary bytes a prompt | prompt KV to decode | boundary / KV |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for result in results:
         p50 = result["ttft_p50_s"]
         tokens = statistics.median(result["prompt_tokens"]) if result["prompt_tokens"] else 0
@@ -94,8 +97,9 @@ def report(results: list[dict[str, Any]], kv_bytes_per_token: int) -> None:
         rows = statistics.median(result["rows_bytes"]) if result["rows_bytes"] else 0
         ratio = f"{p50 / base:.2f}x" if p50 and base else "-"
         share = f"{rows / kv:.3f}" if rows and kv else "-"
-        print(f"| {result['setup']} | {p50:.3f} | {ratio} | {len(result['ttft_s'])} | {rows:,.0f} | {kv:,.0f} "
-              f"| {share} |" if p50 else f"| {result['setup']} | - | - | 0 | - | - | - |")
+        predicted = f"{statistics.median(result['predicted_ttft_s']):.3f}" if result["predicted_ttft_s"] else "-"
+        print(f"| {result['setup']} | {p50:.3f} | {ratio} | {predicted} | {len(result['ttft_s'])} | {rows:,.0f} "
+              f"| {kv:,.0f} | {share} |" if p50 else f"| {result['setup']} | - | - | - | 0 | - | - | - |")
     for result in results:
         rows = statistics.median(result["rows_bytes"]) if result["rows_bytes"] else 0
         if rows:
@@ -110,8 +114,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=5, help="prompts a setup (default %(default)s)")
     parser.add_argument("--min-tokens", type=int, default=1024,
                         help="TSUKIMI_CPP_MIN_TOKENS of the group (default %(default)s)")
+    parser.add_argument("--setups", default=",".join(SETUPS),
+                        help=f"which setups, comma-separated, the first the baseline (default: {','.join(SETUPS)})")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
+    setups = [name.strip() for name in args.setups.split(",") if name.strip()]
+    if not setups or any(name not in SETUPS for name in setups):
+        parser.error(f"--setups takes names of {', '.join(SETUPS)}")
     if args.prompt_tokens < args.min_tokens or args.num_prompts < 1:
         parser.error("--prompt-tokens must reach --min-tokens, and --num-prompts be at least 1")
     config = load_checkpoint().config
@@ -120,7 +129,7 @@ def main() -> None:
     texts = prompts(args.num_prompts, args.prompt_tokens)
     results = []
     with tempfile.TemporaryDirectory(prefix="tsukimi-cpp-") as tmp:
-        for name in SETUPS:
+        for name in setups:
             print(f"{name}...", file=sys.stderr)
             try:
                 results.append(asyncio.run(run_setup(name, texts, Path(tmp), args.min_tokens)))

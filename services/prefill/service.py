@@ -151,7 +151,7 @@ class PrefillService:
             queued_attention_work=float(sum(attention_work(num_tokens, done) for num_tokens, done in left)),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=list(self._held) + ([] if self.stage is None else self.stage.request_ids),
-            samples=self.samples.take(),
+            samples=self.samples.take() + ([] if self.stage is None else self.stage.samples.take()),
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
             block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,

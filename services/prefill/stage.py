@@ -12,6 +12,7 @@ it; the prefill service decides which prompts it leads (`PrefillService`) and fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +22,9 @@ import torch
 
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
+from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
-from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv.store import PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
 from shared.model.stages import LayerRange
@@ -90,6 +92,10 @@ class PipelineStage:
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="stage-encode")
         self.tasks = BackgroundTasks()
         self._part_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
+        # Its steps, as the whole model's would take on this instance (its layers' share of the time scaled up): the
+        # Conductor's prefill cost model learns long prompts' late chunks from them, the pipeline's time too.
+        self.samples = StepSamples()
+        self._last_stats: StepStats | None = None
 
     @property
     def leads(self) -> bool:
@@ -196,6 +202,11 @@ class PipelineStage:
             self._aborts.discard(request_id)
             self.engine.abort(request_id)
         outputs = self.engine.step(self._on_layer) if self.engine.has_unfinished() else []
+        stats = self.engine.last_step
+        if stats is not None and stats is not self._last_stats:
+            self._last_stats = stats
+            scale = self.stage.num_layers / len(self.stage)
+            self.samples.add(dataclasses.replace(stats, seconds=stats.seconds * scale))
         for out in outputs:
             if out.new_token_ids and not out.finished:  # the last stage's first token: its part is done
                 self.engine.abort(out.request_id)

@@ -29,6 +29,7 @@ class Tracked:
     decode_start: float  # predicted unix time of its first decode step
     decode_end: float  # predicted unix time of its last token (max_tokens at the predicted TBT)
     num_new_tokens: int = 0  # of its prompt, to compute on its prefill instance (not reused)
+    num_stages: int = 1  # > 1: computed by the pipeline group its prefill instance leads, not by that instance alone
 
 
 @dataclass
@@ -40,6 +41,7 @@ class PrefillOption:
     queue_s: float
     compute_s: float
     fetch_s: float
+    num_stages: int = 1  # > 1: the pipeline group this instance leads computes it
 
     @property
     def ttft_s(self) -> float:
@@ -65,6 +67,7 @@ class ClusterView:
     balance_ratio: float
     now: float = field(default_factory=time.time)
     max_batched_tokens: int = 2048  # a step's token budget (TSUKIMI_MAX_BATCHED_TOKENS): a prefill chunk's most
+    pipelines: dict[str, int] = field(default_factory=dict)  # first stages that would run this prompt: their stages
 
     # ---- prefill ------------------------------------------------------------------------------------------------
 
@@ -80,14 +83,19 @@ class ClusterView:
                 num_tokens >= beat.pipeline_min_tokens)
 
         prefills = [b for b in self.prefills if not is_later_stage(b)]
-        return self if len(prefills) == len(self.prefills) else dataclasses.replace(self, prefills=prefills)
+        pipelines = {b.instance_id: len(b.pipeline_group) for b in prefills
+                     if b.pipeline_group and b.pipeline_group[0] == b.instance_id
+                     and num_tokens >= b.pipeline_min_tokens and alive.issuperset(b.pipeline_group)}
+        if len(prefills) == len(self.prefills) and pipelines == self.pipelines:
+            return self
+        return dataclasses.replace(self, prefills=prefills, pipelines=pipelines)
 
     def queued_work(self, beat: Heartbeat) -> tuple[int, float]:
         """Prompt tokens waiting at this prefill instance, and their attention work: what its heartbeat reports (of a
         prompt part-computed, what is left of it) plus what was placed there since (not in the heartbeat yet)."""
         tokens, work = beat.num_queued_tokens, beat.queued_attention_work
         for t in self.tracked.values():
-            if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at:
+            if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at and t.num_stages == 1:
                 tokens += t.num_new_tokens
                 work += attention_work(t.num_tokens, t.num_tokens - t.num_new_tokens)
         return tokens, work
@@ -99,7 +107,10 @@ class ClusterView:
 
     def prefill_option(self, beat: Heartbeat, request: SubmitRequest, use_pool: bool) -> PrefillOption:
         """TTFT on one prefill instance; with `use_pool`, fetch the pool's prefix when it is `balance_ratio` times
-        longer than the local one (DESIGN section 5), which also replicates a hot prefix onto this instance."""
+        longer than the local one (DESIGN section 5), which also replicates a hot prefix onto this instance. On the
+        first stage of a pipeline group that would run the prompt (`for_prompt`), the group's time instead."""
+        if beat.instance_id in self.pipelines:
+            return self._pipeline_option(beat, request, self.pipelines[beat.instance_id])
         hashes = request.block_hashes
         usable = hashes[: max(len(request.prompt_ids) - 1, 0) // self.block_size]  # the last token is computed
         local = self.index.prefix_len(beat.instance_id, usable)
@@ -111,6 +122,15 @@ class ClusterView:
         compute = self.prefill_cost.predict(len(request.prompt_ids), reused)
         wait = self._wait_s(beat, len(request.prompt_ids), reused, compute)
         return PrefillOption(beat.instance_id, local, pool, fetch, wait, compute, fetch_bytes / rate)
+
+    def _pipeline_option(self, beat: Heartbeat, request: SubmitRequest, num_stages: int) -> PrefillOption:
+        """TTFT on the pipeline group `beat` leads: the prompts it already leads first (each until its predicted first
+        token: the group computes them in order), then its chunks through the stages. The stages' own prefix caches
+        are not in the index, so nothing counts as reused (the stages may still find some)."""
+        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), 0, num_stages, self.max_batched_tokens)
+        ahead = [t.decode_start for t in self.tracked.values() if t.prefill_id == beat.instance_id and t.num_stages > 1]
+        wait = max(max(ahead, default=self.now) - self.now, 0.0)
+        return PrefillOption(beat.instance_id, 0, 0, False, wait, compute, 0.0, num_stages)
 
     def _wait_s(self, beat: Heartbeat, num_tokens: int, num_reused: int, compute_s: float) -> float:
         """What a prompt waits beyond its own compute. Prefill runs FIFO steps of the token budget, and a prompt's first

@@ -149,7 +149,7 @@ class SchedulerService:
         self.tracked[msg.request_id] = Tracked(
             msg.request_id, option.instance_id, placement.decode_id, len(msg.prompt_ids), option.compute_s, now,
             decode_start, decode_start + msg.sampling.max_tokens * placement.tbt_s,
-            len(msg.prompt_ids) - option.num_reused_blocks * self.settings.engine.block_size,
+            len(msg.prompt_ids) - option.num_reused_blocks * self.settings.engine.block_size, option.num_stages,
         )
         if not placement.on_decode:  # decode may then buffer this request's KV beyond its share for strangers
             expect = ExpectHandoff(msg.request_id, option.instance_id, len(msg.prompt_ids))
@@ -158,6 +158,7 @@ class SchedulerService:
         log.info("placed", request_id=msg.request_id, policy=self.policy.name, prefill=option.instance_id,
                  decode=placement.decode_id, on_decode=placement.on_decode, prompt_tokens=len(msg.prompt_ids),
                  reused_blocks=option.num_reused_blocks, fetch_from_pool=option.fetch_from_pool,
+                 pipeline_stages=option.num_stages,
                  predicted_ttft_s=round(option.ttft_s, 4), predicted_tbt_s=round(placement.tbt_s, 4))
 
     async def handle_heartbeat(self, msg: Heartbeat) -> None:

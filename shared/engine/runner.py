@@ -83,7 +83,7 @@ class ModelRunner:
     ) -> None:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        self.device = config.torch_device
+        self.device, self.dtype = config.torch_device, config.torch_dtype
         self.stage = config.stage or LayerRange.whole(checkpoint.config.num_layers)
         stage_config = self.stage.local_config(checkpoint.config)  # its KV store holds its layers alone
         self.checkpoint = dataclasses.replace(checkpoint, state_dict={})  # what another engine over its model needs
@@ -93,8 +93,7 @@ class ModelRunner:
                 raise ValueError(f"a model of {model.stage} for an engine of {self.stage}")
             self.model = model
         elif checkpoint.is_dummy:
-            self.model = build_dummy_model(checkpoint.config, config.torch_dtype, self.device,
-                                                  layers=self.stage)
+            self.model = build_dummy_model(checkpoint.config, config.torch_dtype, self.device, layers=self.stage)
         else:
             self.model = build_model(checkpoint.config, checkpoint.state_dict, config.torch_dtype, self.device,
                                      layers=self.stage)
@@ -165,7 +164,7 @@ class ModelRunner:
                 if chunk.seq.stage_input is None:
                     raise ValueError(f"request {chunk.seq.request_id} has no rows from the stage before")
                 parts.append(chunk.seq.stage_input.take(chunk.seq.num_computed_tokens, chunk.num_tokens))
-            stage_input = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+            stage_input = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device, self.dtype)
         with torch.inference_mode():
             return self.model(self._tensor(input_ids), self._tensor(positions), ctx, stage_input), chunks
 

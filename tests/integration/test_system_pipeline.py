@@ -71,6 +71,8 @@ def test_a_long_prompt_runs_on_both_stages_and_answers_as_one_engine(system: Sys
     assert first["pipeline stage done"]["chunks"] == -(-len(ids) // step_tokens) == second["prefilled"]["chunks"]
     assert second["pipeline prompt"]["layers"] == "layers 15-29 of 30" and second["prefilled"]["stage"] == 1
     assert "prefilled" not in first  # the first stage ends no hand-off: the last one does
+    (placed,) = [line for line in _log_lines(system, "scheduler-0", request_id) if line["event"] == "placed"]
+    assert placed["prefill"] == "prefill-0" and placed["pipeline_stages"] == 2
 
 
 def test_a_short_prompt_runs_whole_on_one_instance(system: System) -> None:

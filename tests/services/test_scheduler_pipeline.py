@@ -40,3 +40,34 @@ def test_a_heartbeat_with_a_group_not_its_own_is_refused(group: list[str]) -> No
     beat = dataclasses.replace(_member("p0"), pipeline_group=group, sent_at=time.time())
     with pytest.raises(ProtocolError):
         decode(encode(beat), Heartbeat)
+
+
+async def test_a_long_prompt_on_a_group_is_predicted_through_the_pipeline() -> None:
+    """Its chunks' time on one stage plus its last chunk's on the other (half of each step a stage), well under the
+    whole prompt on one instance; a second long prompt waits for the first's predicted first token."""
+    scheduler, _, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_MAX_BATCHED_TOKENS="512")
+    await _cluster(scheduler, _member("p0"), _member("p1"), _beat("d0", Role.DECODE))
+    view = scheduler.view().for_prompt(3000)
+    assert view.pipelines == {"p0": 2}
+    option = view.prefill_option(view.prefills[0], _submit("long", 3000), use_pool=True)
+    cost = view.prefill_cost
+    chunks = [cost.predict(min(start + 512, 3000), start) for start in range(0, 3000, 512)]
+    assert option.num_stages == 2 and option.queue_s == 0.0
+    assert option.compute_s == pytest.approx((sum(chunks) + chunks[-1]) / 2)
+    assert option.compute_s < 0.7 * cost.predict(3000, 0)
+    reply = await scheduler.handle_submit(_submit("long", 3000))
+    assert reply.accepted and reply.prefill_id == "p0" and scheduler.tracked["long"].num_stages == 2
+    view = scheduler.view().for_prompt(3000)
+    second = view.prefill_option(view.prefills[0], _submit("next", 3000), use_pool=True)
+    assert second.queue_s == pytest.approx(scheduler.tracked["long"].decode_start - view.now, abs=0.05)
+    assert view.queue_s(view.prefills[0]) == 0.0  # the pipelined prompt is not in the instance's own queue
+    short = view.for_prompt(500)
+    assert short.pipelines == {} and short.prefill_option(short.prefills[0], _submit("s", 500), True).num_stages == 1
+
+
+async def test_a_group_missing_a_stage_runs_nothing_through_the_pipeline() -> None:
+    scheduler, _, _ = _service(TSUKIMI_POLICY="conductor")
+    await _cluster(scheduler, _member("p0"), _beat("d0", Role.DECODE))
+    view = scheduler.view().for_prompt(3000)
+    assert view.pipelines == {}
+    assert view.prefill_option(view.prefills[0], _submit("long", 3000), use_pool=True).num_stages == 1
