@@ -90,6 +90,8 @@ class PrefillService:
         self.settings, self.bus, self.engine, self.cache = settings, bus, engine, cache
         self.stage = stage  # this instance's stage of its pipeline group (`TSUKIMI_CPP_GROUP`), if it is in one
         self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
+        if stage is not None:  # its engine thread breaking breaks the instance too: it is restarted whole
+            stage.host.broken = self.host.broken
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
@@ -124,7 +126,7 @@ class PrefillService:
 
     @property
     def broken(self) -> asyncio.Event:
-        """Set when the engine cannot recover (the process then exits to be restarted)."""
+        """Set when the engine (or the pipeline stage's) cannot recover (the process then exits to be restarted)."""
         return self.host.broken
 
     async def stop(self) -> None:

@@ -193,33 +193,36 @@ def nats_process_spec(binary: str, config_file: Path) -> ProcessSpec:
     return ProcessSpec("nats", (binary, "-c", str(config_file)))
 
 
-def compose_topology(prefill: int = 1, decode: int = 1, cache_stores: int = 1) -> Topology:
-    """The topology as containers see it: NATS at the `nats` service, the gateway on every interface."""
+def compose_topology(prefill: int = 1, decode: int = 1, cache_stores: int = 1, cpp_group: int = 1) -> Topology:
+    """The topology as containers see it: NATS at the `nats` service, the gateway on every interface.
+
+    Raises:
+        TopologyError: a topology that cannot run.
+    """
     return Topology(
         prefill=prefill, decode=decode, cache_stores=cache_stores, host="0.0.0.0", port=8000,
-        nats_url=f"nats://nats:{NATS_CLIENT_PORT}", cache_ssd_dir=SSD_DIR_IN_CONTAINER,
+        nats_url=f"nats://nats:{NATS_CLIENT_PORT}", cache_ssd_dir=SSD_DIR_IN_CONTAINER, cpp_group=cpp_group,
     )
 
 
 def compose_document(topology: Topology) -> dict[str, Any]:
     """The docker-compose document (plain dicts, lists, strings and ints) for `topology`.
 
-    Instance ids are left unset, so each container uses the default `<role>-<hostname>-<pid>` (unique per container).
-
-    Raises:
-        TopologyError: pipeline groups, whose members name each other by instance id (not in compose yet).
+    Instance ids are left unset, so each container uses the default `<role>-<hostname>-<pid>` (unique per container),
+    except in pipeline groups, whose members name each other: there each prefill instance is a service of its own,
+    `prefill-<i>`, with that instance id.
     """
-    if topology.cpp_group > 1:
-        raise TopologyError("pipeline groups (--cpp-group) run under `tsukimi up` only, not yet in compose")
     services: dict[str, Any] = {"nats": _compose_nats()}
     volumes: dict[str, Any] = {}
-    for name, service, shard in compose_services(topology):
+    for name, service, index in compose_services(topology):
         env = topology.service_env(service) | {"TSUKIMI_NATS_PASSWORD": compose_secret(service.name)}
         if service.signs_blocks:
             env["TSUKIMI_CACHE_BLOCK_KEY"] = _from_env_file(BLOCK_KEY_VARIABLE)
         extra: dict[str, Any] = {}
-        if shard is not None:
-            env |= topology.shard_env(shard, split_ssd_dir=False)
+        if index is not None and service.scaling is Scaling.REPLICAS:  # a pipeline group's member
+            env |= {"TSUKIMI_INSTANCE_ID": name, "TSUKIMI_CPP_GROUP": ",".join(topology.pipeline_group(index))}
+        elif index is not None:
+            env |= topology.shard_env(index, split_ssd_dir=False)
             if topology.cache_ssd_dir:
                 extra["volumes"] = [f"{name}-ssd:{topology.cache_ssd_dir}"]
                 volumes[f"{name}-ssd"] = {}
@@ -228,7 +231,7 @@ def compose_document(topology: Topology) -> dict[str, Any]:
             extra["healthcheck"] = _http_healthcheck(topology.port, service.health_path, start_period_s=180)
             extra["volumes"] = [f"${{{API_KEYS_VARIABLE}:-./api-keys.json}}:{API_KEYS_IN_CONTAINER}:ro"]
             env["TSUKIMI_API_KEYS_FILE"] = API_KEYS_IN_CONTAINER
-        if service.scaling is Scaling.REPLICAS:
+        if service.scaling is Scaling.REPLICAS and index is None:
             # mode stated: podman-compose honours replicas only with it (docker's default anyway).
             extra["deploy"] = {"mode": "replicated", "replicas": topology.count(service)}
         services[name] = _compose_service(service, env, extra)
@@ -236,12 +239,13 @@ def compose_document(topology: Topology) -> dict[str, Any]:
 
 
 def compose_services(topology: Topology) -> list[tuple[str, ServiceDef, int | None]]:
-    """(compose service name, service, shard index or None) for every tsukimi service of the compose file: one entry
-    per service, except a sharded one, which is a service per shard (`cache-store-<i>`): a shard index cannot differ
-    between `--scale` replicas."""
+    """(compose service name, service, index or None) for every tsukimi service of the compose file: one entry per
+    service, except a sharded one, which is a service per shard (`cache-store-<i>`, index: the shard), as a shard
+    index cannot differ between `--scale` replicas, and prefill in pipeline groups, a service per instance
+    (`prefill-<i>`, index: the instance), as the members of a group name each other."""
     entries: list[tuple[str, ServiceDef, int | None]] = []
     for service in SERVICES:
-        if service.scaling is Scaling.SHARDS:
+        if service.scaling is Scaling.SHARDS or (service.name == "prefill" and topology.cpp_group > 1):
             entries += [(f"{service.name}-{i}", service, i) for i in range(topology.count(service))]
         else:
             entries.append((service.name, service, None))

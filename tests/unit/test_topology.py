@@ -210,5 +210,15 @@ def test_up_specs_give_each_prefill_instance_its_pipeline_group() -> None:
     assert all("TSUKIMI_CPP_GROUP" not in env for env in (s.env for s in Topology(prefill=2).process_specs()))
     with pytest.raises(TopologyError, match="3 prefill instances do not make pipeline groups of 2"):
         Topology(prefill=3, cpp_group=2)
-    with pytest.raises(TopologyError, match="not yet in compose"):
-        compose_document(Topology(prefill=2, cpp_group=2))
+    services = compose_document(compose_topology(prefill=4, cpp_group=2))["services"]
+    assert "prefill" not in services  # a service per member: the members of a group name each other
+    members = {name: entry for name, entry in services.items() if name.startswith("prefill-")}
+    assert sorted(members) == ["prefill-0", "prefill-1", "prefill-2", "prefill-3"]
+    assert all("deploy" not in entry for entry in members.values())
+    env = members["prefill-3"]["environment"]
+    assert env["TSUKIMI_INSTANCE_ID"] == "prefill-3" and env["TSUKIMI_CPP_GROUP"] == "prefill-2,prefill-3"
+    override = host_network_override(compose_topology(prefill=2, cpp_group=2), HostNetwork())["services"]
+    assert {"prefill-0", "prefill-1"} <= set(override) and "prefill" not in override
+    with pytest.raises(SystemExit) as exited:
+        main(["compose", "--prefill", "3", "--cpp-group", "2"])
+    assert exited.value.code == 2

@@ -26,6 +26,7 @@ HEADER = """\
 #   docker compose up --build                          # nats, gateway, scheduler, prefill, decode, cache-store-0
 #   docker compose up --scale prefill=2 --scale decode=2   # more prefill and decode replicas
 #   tsukimi compose --cache-stores 2 --output docker-compose.yml   # cache-store shards: one service each
+#   tsukimi compose --prefill 2 --cpp-group 2 -o docker-compose.yml  # a pipeline group: prefill-0, prefill-1
 #
 # One image, tsukimi:latest (the Dockerfile), runs every container, nats-server included. The OpenAI-compatible API
 # is then at http://localhost:8000/v1; GET /health answers 200 once at least one prefill and one decode instance are
@@ -54,6 +55,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--prefill", type=positive_int, default=1, help="prefill replicas (default: 1)")
     parser.add_argument("--decode", type=positive_int, default=1, help="decode replicas (default: 1)")
     parser.add_argument(
+        "--cpp-group", type=positive_int, default=1,
+        help="prefill instances per pipeline group (default: 1, none); with groups each prefill instance is a "
+        "service of its own, prefill-<i>, as under `tsukimi up --cpp-group`",
+    )
+    parser.add_argument(
         "--cache-stores", type=positive_int, default=1,
         help="cache-store shards (default: 1); each is a service of its own with its own SSD volume, because a "
         "shard index cannot differ between `--scale` replicas",
@@ -72,16 +78,16 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def run(args: argparse.Namespace) -> int:
     given = {"nats_port": args.nats_port, "gateway_port": args.port, "image": args.image}
     given = {name: value for name, value in given.items() if value is not None}
-    if args.host_network:
-        try:
-            network = HostNetwork(**given)
-        except TopologyError as exc:
-            raise CliError(str(exc)) from None
-        text = render_host_network(network, args.prefill, args.decode, args.cache_stores)
-    elif given:
-        raise CliError("--nats-port, --port and --image go with --host-network")
-    else:
-        text = render_compose(args.prefill, args.decode, args.cache_stores)
+    try:
+        if args.host_network:
+            text = render_host_network(HostNetwork(**given), args.prefill, args.decode, args.cache_stores,
+                                       args.cpp_group)
+        elif given:
+            raise CliError("--nats-port, --port and --image go with --host-network")
+        else:
+            text = render_compose(args.prefill, args.decode, args.cache_stores, args.cpp_group)
+    except TopologyError as exc:
+        raise CliError(str(exc)) from None
     if args.output in (None, "-"):
         sys.stdout.write(text)
         return 0
@@ -92,15 +98,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_compose(prefill: int = 1, decode: int = 1, cache_stores: int = 1) -> str:
+def render_compose(prefill: int = 1, decode: int = 1, cache_stores: int = 1, cpp_group: int = 1) -> str:
     """The docker-compose.yml text: the header comment, then the document of `compose_topology(...)`."""
-    document = compose_document(compose_topology(prefill, decode, cache_stores))
+    document = compose_document(compose_topology(prefill, decode, cache_stores, cpp_group))
     return HEADER + "\n" + "\n".join(to_yaml(document)) + "\n"
 
 
-def render_host_network(network: HostNetwork, prefill: int = 1, decode: int = 1, cache_stores: int = 1) -> str:
+def render_host_network(
+    network: HostNetwork, prefill: int = 1, decode: int = 1, cache_stores: int = 1, cpp_group: int = 1
+) -> str:
     """The host-network override's text: its header comment, then `host_network_override(...)`."""
-    document = host_network_override(compose_topology(prefill, decode, cache_stores), network)
+    document = host_network_override(compose_topology(prefill, decode, cache_stores, cpp_group), network)
     return HOST_NETWORK_HEADER + "\n" + "\n".join(to_yaml(document)) + "\n"
 
 

@@ -54,7 +54,7 @@ default elsewhere 128: the prefill instance has only its share of this machine's
 TSUKIMI_CACHE_SSD_DIR becomes one shard-<i> folder each; with --cpp-group N each prefill instance gets
 TSUKIMI_CPP_GROUP, the ids of its group (prefill-0..N-1, then prefill-N..2N-1, ...). Every other TSUKIMI_*
 variable of this shell is passed through (an unknown one is an error). The same topology in containers: `tsukimi
-compose` (without pipeline groups, so far).
+compose`.
 
 Simulation (`--engine sim --profile llama3-70b-8xa800`): the same services, NATS, scheduler and cache-store, but no
 model runs: each prefill and decode step sleeps for the time a roofline model of that model on those GPUs predicts
