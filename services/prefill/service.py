@@ -10,27 +10,25 @@ It owns a prompt-only engine (every request leaves it after its first token); de
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_prefill_steps
 from services.prefill.fetch import StoreLoader
+from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
 from services.prefill.stage import PipelineStage
 from shared.config import EngineSettings
 from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv.prefix_load import PrefixSource
-from shared.engine.kv.store import PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.profile import PromptProfile, profile_parts
-from shared.wire.handoff.prompt import chunk_prompt_layer, num_prompt_chunks
+from shared.wire.handoff.prompt import num_prompt_chunks
 from shared.wire.heartbeat import HeartbeatSender, Load
 from shared.wire.kv_events import KvEventLog, KvEventPublisher
 from shared.wire.log import get_logger
@@ -92,7 +90,6 @@ class PrefillService:
         self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
         if stage is not None:  # its engine thread breaking breaks the instance too: it is restarted whole
             stage.host.broken = self.host.broken
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-encode")
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
         self._heartbeat = HeartbeatSender(
@@ -107,8 +104,8 @@ class PrefillService:
         self.loader = None if cache is None else StoreLoader(
             cache, engine.store, self.host.loop, settings.kv_deadline_s
         )
-        self._chunk_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
-        self._moved_bytes = self._moved_tokens = 0  # prompt KV sent to decode since start, and its tokens
+        self.sender = LayerSender(settings, bus, self.host, self.tasks)
+        self._moved_tokens = 0  # prompt tokens whose KV went to decode since start
 
     async def start(self) -> None:
         if self.settings.warmup and self.settings.engine_kind == "real":  # the first heartbeat carries them
@@ -137,7 +134,7 @@ class PrefillService:
         if self.stage is not None:
             await self.stage.stop()
         await self.tasks.close()
-        self._encoder.shutdown(wait=True)
+        self.sender.close()
 
     def load(self) -> Load:
         """This beat's figures: the prompt tokens still to compute and their attention work (a prompt part-computed
@@ -147,19 +144,22 @@ class PrefillService:
         blocks = self.engine.block_manager
         left = [(len(h.task.prompt_ids), max(h.num_reused_tokens, self.engine.num_computed_tokens(h.task.request_id)))
                 for h in queued]
+        stage = self.stage
         return Load(
             num_waiting=len(queued),
             num_queued_tokens=sum(num_tokens - done for num_tokens, done in left),
             queued_attention_work=float(sum(attention_work(num_tokens, done) for num_tokens, done in left)),
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
-            request_ids=list(self._held) + ([] if self.stage is None else self.stage.request_ids),
-            samples=self.samples.take() + ([] if self.stage is None else self.stage.samples.take()),
+            request_ids=list(self._held) + (stage.request_ids if stage else []),
+            samples=self.samples.take() + (stage.samples.take() if stage else []),
             fetch_bytes_per_s=0.0 if self.loader is None else self.loader.bandwidth.value,
             block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
-            kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
-            kv_moved_tokens=self._moved_tokens, max_num_seqs=self.engine.runner.max_num_seqs,
-            pipeline_group=list(self.settings.cpp_group) if self.stage is not None else [],
-            pipeline_min_tokens=self.settings.cpp_min_tokens if self.stage is not None else 0,
+            kv_block_tokens=self.engine.config.block_size,
+            kv_moved_bytes=self.sender.num_bytes + (stage.sender.num_bytes if stage else 0),
+            kv_moved_tokens=self._moved_tokens + (stage.num_moved_tokens if stage else 0),
+            max_num_seqs=self.engine.runner.max_num_seqs,
+            pipeline_group=list(self.settings.cpp_group) if stage else [],
+            pipeline_min_tokens=self.settings.cpp_min_tokens if stage else 0,
         )
 
     async def handle_task(self, msg: PrefillTask) -> None:
@@ -197,7 +197,7 @@ class PrefillService:
 
     def _num_chunks(self, num_tokens: int) -> int:
         return num_prompt_chunks(self.engine.model_config.num_layers, num_tokens, self.engine.block_format,
-                                 self._chunk_bytes)
+                                 self.sender.part_bytes)
 
     async def _admit(self, held: _Held, params: SamplingParams) -> None:
         """See what the cache-store holds, then queue the prompt in the engine (with the store's prefix to load)."""
@@ -302,38 +302,8 @@ class PrefillService:
                 continue
             held.sent_layers.add(layer_idx)
             kv = self.engine.read_prompt_kv(seq.request_id, layer_idx)
-            future = self.host.loop.create_future()
-            held.sends.append(future)
-            self.host.loop.call_soon_threadsafe(self._send_layer, held, layer_idx, kv, future)
-
-    def _send_layer(
-        self, held: _Held, layer_idx: int, kv: PromptLayerKv, done: asyncio.Future[None]
-    ) -> None:
-        async def send() -> None:
-            per_layer = held.num_chunks // self.engine.model_config.num_layers
-            encode = functools.partial(
-                chunk_prompt_layer, held.task.request_id, layer_idx, kv.blocks, kv.tail, kv.num_tokens,
-                self.engine.block_format, layer_idx * per_layer, held.num_chunks, self._chunk_bytes,
-                compress_payload=self.settings.kv_compress,
-            )
-            chunks = await self.host.loop.run_in_executor(self._encoder, encode)
-            self._moved_bytes += sum(len(chunk.data) for chunk in chunks)
-            for chunk in chunks:
-                await self._publish_handoff(held, chunk)
-
-        def settle(task: asyncio.Future[None]) -> None:
-            if done.done():
-                return
-            if task.cancelled():  # the service is stopping
-                done.cancel()
-                return
-            error = task.exception()
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(None)
-
-        self.tasks.spawn(send(), f"send-kv-{held.task.request_id}-{layer_idx}").add_done_callback(settle)
+            held.sends.append(self.sender.send(held.task, layer_idx, kv, self.engine.block_format, held.num_chunks,
+                                               self.engine.model_config.num_layers))
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
@@ -367,7 +337,7 @@ class PrefillService:
             log.info("finished at prefill", request_id=task.request_id, reason=out.finish_reason)
             return
         self._moved_tokens += len(task.prompt_ids)
-        parts = [] if held.profile is None else profile_parts(task.request_id, held.profile, self._chunk_bytes)
+        parts = [] if held.profile is None else profile_parts(task.request_id, held.profile, self.sender.part_bytes)
         for part in parts:
             await self._publish_handoff(held, part)
         await self._publish_handoff(held, HandoffEnd(

@@ -15,21 +15,19 @@ import asyncio
 import dataclasses
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
+from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
-from shared.engine.kv.store import PromptLayerKv
 from shared.engine.sequence import FinishReason, Sequence
 from shared.model.stages import LayerRange
 from shared.wire.bus import Bus, BusError
-from shared.wire.handoff.prompt import chunk_prompt_layer
 from shared.wire.handoff.stage_rows import RowsAssembly, rows_parts
 from shared.wire.log import get_logger
 from shared.wire.parts import PartError
@@ -89,9 +87,9 @@ class PipelineStage:
         self.host: EngineHost[RequestOutput] = EngineHost(engine)
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="stage-encode")
         self.tasks = BackgroundTasks()
-        self._part_bytes = min(settings.kv_chunk_bytes, bus.max_payload // 2)
+        self.sender = LayerSender(settings, bus, self.host, self.tasks)  # its layers' KV, and its hidden states
+        self.num_moved_tokens = 0  # prompt tokens whose hand-off this stage ended (their KV reached decode)
         # Its steps, as the whole model's would take on this instance (its layers' share of the time scaled up): the
         # Conductor's prefill cost model learns long prompts' late chunks from them, the pipeline's time too.
         self.samples = StepSamples()
@@ -118,7 +116,7 @@ class PipelineStage:
     async def stop(self) -> None:
         await self.host.stop()
         await self.tasks.close()
-        self._encoder.shutdown(wait=True)
+        self.sender.close()
 
     async def takes(self, prompt_ids: list[int]) -> bool:
         """Whether this first stage leads `prompt_ids` through the group: at least `cpp_min_tokens` of it to compute
@@ -220,23 +218,8 @@ class PipelineStage:
                 continue
             held.sent_layers.add(layer_idx)
             kv = self.engine.read_prompt_kv(seq.request_id, layer_idx)
-            future = self.host.loop.create_future()
-            held.sends.append(future)
-            self.host.loop.call_soon_threadsafe(self._send_layer, held, self.stage.start + layer_idx, kv, future)
-
-    def _send_layer(self, held: _Held, layer: int, kv: PromptLayerKv, done: asyncio.Future[None]) -> None:
-        async def send() -> None:
-            per_layer = held.num_kv_chunks // self.stage.num_layers
-            encode = functools.partial(
-                chunk_prompt_layer, held.task.request_id, layer, kv.blocks, kv.tail, kv.num_tokens,
-                self.engine.block_format, layer * per_layer, held.num_kv_chunks, self._part_bytes,
-                compress_payload=self.settings.kv_compress,
-            )
-            for chunk in await self.host.loop.run_in_executor(self._encoder, encode):
-                await self._to_decode(held, chunk)
-
-        task = self.tasks.spawn(send(), f"stage-kv-{held.task.request_id}-{layer}")
-        task.add_done_callback(functools.partial(_settle, done))
+            held.sends.append(self.sender.send(held.task, self.stage.start + layer_idx, kv, self.engine.block_format,
+                                               held.num_kv_chunks, self.stage.num_layers))
 
     # ---- back on the event loop -------------------------------------------------------------------------------
 
@@ -273,9 +256,9 @@ class PipelineStage:
                 return
         if out.finished:
             await asyncio.gather(*held.sends)
-        encode = functools.partial(rows_parts, task.request_id, held.rows_out, out.stage_rows, self._part_bytes,
+        encode = functools.partial(rows_parts, task.request_id, held.rows_out, out.stage_rows, self.sender.part_bytes,
                                    self.settings.kv_compress)
-        for part in await self.host.loop.run_in_executor(self._encoder, encode):
+        for part in await self.sender.encode(encode):
             await self.bus.publish(subject, part)
             held.rows_bytes += len(part.data)
         held.rows_out += out.stage_rows.shape[0]
@@ -299,6 +282,7 @@ class PipelineStage:
         else:
             await self._to_decode(held, HandoffEnd(task.request_id, out.new_token_ids[0], out.new_text,
                                                    out.num_cached_tokens, 0))
+            self.num_moved_tokens += len(task.prompt_ids)
         log.info("prefilled", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  chunks=held.num_chunks, ttft_s=round(time.time() - task.arrival_time, 4),
                  kv_chunks=held.num_kv_chunks)
@@ -320,15 +304,3 @@ class PipelineStage:
         for other in self.group:
             if other != self.settings.instance_id:
                 await self.bus.publish(self.bus.subjects.prefill_stage(other), Cancel(request_id, error))
-
-
-def _settle(done: asyncio.Future[None], task: asyncio.Future[None]) -> None:
-    """Pass a send task's end on to the future its request waits on."""
-    if done.done():
-        return
-    if task.cancelled():
-        done.cancel()
-    elif task.exception() is not None:
-        done.set_exception(task.exception())  # type: ignore[arg-type]
-    else:
-        done.set_result(None)

@@ -9,28 +9,30 @@ import math
 from collections.abc import Iterable
 
 from shared.wire.protocol.base import ProtocolError, invariants
-from shared.wire.protocol.messages import (
-    CLEARED,
-    REMOVED,
-    STORED,
+from shared.wire.protocol.kv_messages import (
     BlockGet,
     BlockHas,
     BlockPart,
     BlockPut,
-    Cancel,
     ExpectHandoff,
     FastGenProfilePart,
     HandoffEnd,
     HandoffStart,
-    Heartbeat,
     KvChunk,
+    StageRows,
+    StageTask,
+)
+from shared.wire.protocol.messages import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    Cancel,
+    Heartbeat,
     KvEvent,
     PrefillTask,
     Role,
     Snapshot,
     SnapshotRequest,
-    StageRows,
-    StageTask,
     StreamEvent,
     SubmitReply,
     SubmitRequest,
