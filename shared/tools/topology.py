@@ -123,6 +123,11 @@ class Topology:
             return 1
         return {"prefill": self.prefill, "decode": self.decode, "cache-store": self.cache_stores}[service.name]
 
+    def live_counts(self) -> dict[str, int]:
+        """The instances of each role the gateway's /health counts (its `Role` values) once all of them are up."""
+        counts = {"scheduler": 1, "decode": self.decode}
+        return counts if self.colocated else {**counts, "prefill": self.prefill}
+
     def pipeline_group(self, prefill_index: int) -> list[str]:
         """The instance ids of the pipeline group of prefill instance `prefill_index`, first stage first."""
         first = prefill_index // self.cpp_group * self.cpp_group

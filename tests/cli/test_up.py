@@ -27,9 +27,10 @@ FAKE_SERVICE = textwrap.dedent("""
     print(json.dumps({"pid": os.getpid(), **env}), flush=True)
     if env["TSUKIMI_INSTANCE_ID"].startswith("gateway-"):
         class Health(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
+            def do_GET(self):  # /health counts more live instances of each role than any test starts
                 self.send_response(200 if self.path == "/health" else 404)
                 self.end_headers()
+                self.wfile.write(json.dumps({"status": "ok", "scheduler": 9, "prefill": 9, "decode": 9}).encode())
             def log_message(self, *args):
                 pass
         http.server.HTTPServer((env["TSUKIMI_HOST"], int(env["TSUKIMI_PORT"])), Health).serve_forever()

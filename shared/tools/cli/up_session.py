@@ -51,7 +51,7 @@ class Session:
         except OSError as exc:
             return self.gave_up(f"cannot start a process: {exc}")
         base_url = f"http://{_connect_host(self.topology.host)}:{self.topology.port}"
-        health = _HealthProbe(f"{base_url}/health")
+        health = _HealthProbe(f"{base_url}/health", self.topology.live_counts())
         if not self.wait_for(health.is_ok, self.startup_timeout_s):
             return self.gave_up(f"GET {health.url} -> {health.status} after {self.startup_timeout_s:.0f} s")
         announce(base_url, self.model_name, self.services.log_dir, self.needs_key)
@@ -84,10 +84,13 @@ class Session:
 
 
 class _HealthProbe:
-    """GET a URL (never through a proxy); remembers the last answer and says every 10 s that it is still waiting."""
+    """GET the gateway's /health (never through a proxy) until it answers 200 counting at least `expected` live
+    instances of each role (every instance started, so that the first request already sees the whole cluster);
+    remembers the last answer and says every 10 s that it is still waiting."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, expected: dict[str, int]) -> None:
         self.url = url
+        self.expected = expected
         self.status = "no answer yet"
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._started = time.monotonic()
@@ -97,9 +100,14 @@ class _HealthProbe:
         try:
             with self._opener.open(self.url, timeout=1.0) as response:
                 self.status = str(response.status)
+                counts = json.loads(response.read() or b"{}")
+            missing = [f"{count - counts.get(role, 0)} {role}" for role, count in self.expected.items()
+                       if isinstance(counts, dict) and counts.get(role, 0) < count]
+            if self.status == "200" and missing:
+                self.status = f"200, waiting for {', '.join(missing)}"
         except urllib.error.HTTPError as exc:
             self.status = str(exc.code)
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             self.status = getattr(reason, "strerror", None) or str(reason)
         if self.status == "200":
