@@ -59,6 +59,7 @@ class _Held:
     rows_out: int = -1  # the first token of the next chunk sent on (-1: nothing sent yet)
     num_chunks: int = 0  # chunks of the prompt computed here (the first stage's steps, the others' chunks of rows)
     rows_bytes: int = 0  # hidden-state bytes sent to the next stage (as coded on the wire)
+    rows_raw_bytes: int = 0  # the same before coding (the sim engine's: the sizes its rows stand for)
     sends: list[asyncio.Future[None]] = field(default_factory=list)
     sent_layers: set[int] = field(default_factory=set)
     started_at: float = field(default_factory=time.monotonic)
@@ -168,7 +169,7 @@ class PipelineStage:
             assembly.add(msg)
             if not assembly.is_complete:
                 return
-            start, rows = assembly.rows(self.engine.model_config.hidden_size)
+            start, rows = assembly.rows(self.engine.model_config.hidden_size, self.settings.engine_kind == "sim")
         except PartError as exc:
             await self._fail(msg.request_id, ErrorType.KV_TRANSFER, f"hidden states from the stage before: {exc}")
             return
@@ -196,19 +197,24 @@ class PipelineStage:
     # ---- the engine thread ------------------------------------------------------------------------------------
 
     def _tick(self) -> tuple[list[RequestOutput], bool]:
+        """A step, and whether to step again at once: only after a step that computed something. A prompt waiting
+        for the stage before's rows is unfinished but has nothing to compute; `handle_rows` wakes the loop when they
+        come (stepping on meanwhile would spin this thread beside the stages it waits for)."""
         for request_id in list(self._aborts):
             self._aborts.discard(request_id)
             self.engine.abort(request_id)
         outputs = self.engine.step(self._on_layer) if self.engine.has_unfinished() else []
         stats = self.engine.last_step
-        if stats is not None and stats is not self._last_stats:
+        computed = stats is not None and stats is not self._last_stats
+        if computed:
+            assert stats is not None
             self._last_stats = stats
             scale = self.stage.num_layers / len(self.stage)
             self.samples.add(dataclasses.replace(stats, seconds=stats.seconds * scale))
         for out in outputs:
             if out.new_token_ids and not out.finished:  # the last stage's first token: its part is done
                 self.engine.abort(out.request_id)
-        return outputs, self.engine.has_unfinished()
+        return outputs, computed and self.engine.has_unfinished()
 
     def _on_layer(self, layer_idx: int, seqs: list[Sequence]) -> None:
         """Engine thread, mid-forward: this stage's layer of a finished prompt, copied for decode."""
@@ -261,12 +267,13 @@ class PipelineStage:
         for part in await self.sender.encode(encode):
             await self.bus.publish(subject, part)
             held.rows_bytes += len(part.data)
+            held.rows_raw_bytes += part.raw_size
         held.rows_out += out.stage_rows.shape[0]
         if out.finished:
             self._held.pop(task.request_id, None)
             log.info("pipeline stage done", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                      chunks=held.num_chunks, tokens_from=out.num_cached_tokens, next_stage=self.next_id,
-                     rows_bytes=held.rows_bytes, seconds=round(time.monotonic() - held.started_at, 4))
+                     rows_bytes=held.rows_bytes, rows_raw_bytes=held.rows_raw_bytes, seconds=round(time.monotonic() - held.started_at, 4))
 
     async def _hand_off(self, held: _Held, out: RequestOutput) -> None:
         """The last stage: end the hand-off with the first token (or, finished at it, answer here and close it)."""

@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     pools.add_argument("--colocated", type=int, default=0, metavar="N",
                        help="instead: N colocated instances that prefill their own requests (the baseline; routed "
                             "least_loaded unless --env TSUKIMI_POLICY=... says otherwise)")
+    pools.add_argument("--cpp-group", type=int, default=1, metavar="G",
+                       help="prefill instances per pipeline group (chunked pipeline parallelism for prompts of at "
+                            "least TSUKIMI_CPP_MIN_TOKENS; default 1: none)")
     pools.add_argument("--cache-stores", type=int, metavar="K",
                        help="cache-store shards, one on each of the first K nodes (default: one per prefill node; "
                             "colocated: one per node)")
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         env[name] = value
     if min(args.prefill, args.decode) < 1 and not args.colocated:
         p.error("--prefill and --decode must be at least 1 (or give --colocated N)")
+    if args.cpp_group < 1 or (args.cpp_group > 1 and (args.colocated or args.prefill % args.cpp_group)):
+        p.error(f"--cpp-group must divide --prefill into groups, got {args.cpp_group} for {args.prefill} prefill "
+                "instances" + (" (a colocated cluster has no prefill pool)" if args.colocated else ""))
     if args.colocated < 0 or (args.cache_stores is not None and args.cache_stores < 1):
         p.error("--colocated must be at least 0 and --cache-stores at least 1")
     if args.num_requests is not None and args.num_requests < 1:
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(
         prefill=0 if args.colocated else args.prefill, decode=args.colocated or args.decode,
         cache_stores=args.cache_stores or (args.colocated or args.prefill), colocated=bool(args.colocated),
-        profile=args.profile, env=env,
+        cpp_group=args.cpp_group, profile=args.profile, env=env,
         network=NetworkSpec(args.bandwidth_gbps * GBIT, args.latency_us * 1e-6),
     )
     log_stream = None

@@ -56,6 +56,7 @@ class ClusterSpec:
         prefill, decode: instances of each (colocated: `decode` instances that prefill too, `prefill` 0).
         cache_stores: cache-store shards; shard i runs on the node of the i-th engine instance (Mooncake's pool is
             the DRAM of the serving nodes).
+        cpp_group: prefill instances per pipeline group (1: none), as `tsukimi up --cpp-group`.
         profile: the sim profile every engine instance stands for.
         env: more TSUKIMI_* variables for every instance (policy, SLOs, rejection, capacities).
         network: each node's interface.
@@ -65,13 +66,15 @@ class ClusterSpec:
     decode: int = 1
     cache_stores: int = 1
     colocated: bool = False
+    cpp_group: int = 1
     profile: str = "llama3-70b-8xa800"
     env: Mapping[str, str] = field(default_factory=dict)
     network: NetworkSpec = field(default_factory=NetworkSpec)
 
     def topology(self) -> Topology:
         return Topology(prefill=0 if self.colocated else self.prefill, decode=self.decode,
-                        cache_stores=self.cache_stores, colocated=self.colocated, nats_url=VIRTUAL_URL,
+                        cache_stores=self.cache_stores, colocated=self.colocated, cpp_group=self.cpp_group,
+                        nats_url=VIRTUAL_URL,
                         extra_env=tuple(self.env_for_all().items()))
 
     def env_for_all(self) -> dict[str, str]:

@@ -57,6 +57,7 @@ class LLMEngine(KvHandoff):
         self.config = config or EngineConfig()
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.config
+        self._checkpoint = dataclasses.replace(checkpoint, state_dict={})  # what a stage engine needs (no weights)
         self.runner: Runner = runner or ModelRunner(checkpoint, self.config, on_block_event)
         self.store: KvStore = self.runner.store
         self.block_manager = self.store.blocks
@@ -88,14 +89,12 @@ class LLMEngine(KvHandoff):
         long prompts on.
 
         Raises:
-            ValueError: this engine runs no model of its own (the sim engine's), or is a stage itself.
+            ValueError: this engine is a stage itself, or its config refuses stages (a KV codec, FastGen).
         """
-        runner = self.runner
-        if not isinstance(runner, ModelRunner) or self.config.stage is not None:
-            raise ValueError("a pipeline stage needs a whole model that this engine runs")
+        if self.config.stage is not None:
+            raise ValueError("a pipeline stage is taken of a whole-model engine, not of a stage")
         config = dataclasses.replace(self.config, stage=layers, kv_cache_bytes=kv_cache_bytes)
-        model = runner.model.stage_of(layers)
-        return LLMEngine(runner.checkpoint, config, ModelRunner(runner.checkpoint, config, model=model))
+        return LLMEngine(self._checkpoint, config, self.runner.for_stage(config))
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix_source: PrefixSource | None = None

@@ -63,6 +63,11 @@ class Runner(Protocol):
         """A step of a pipeline stage before the last: each chunk's output rows by request id."""
         ...
 
+    def for_stage(self, config: EngineConfig) -> Runner:
+        """A runner for the pipeline stage `config.stage` of this whole-model runner's model (sharing its weights),
+        with a KV store of its own."""
+        ...
+
 
 class ModelRunner:
     """Runs forward passes over the KV store `build_kv_store` makes of the config.
@@ -115,6 +120,10 @@ class ModelRunner:
     @property
     def max_num_seqs(self) -> int:
         return self.store.max_num_seqs
+
+    def for_stage(self, config: EngineConfig) -> ModelRunner:
+        assert config.stage is not None
+        return ModelRunner(self.checkpoint, config, model=self.model.stage_of(config.stage))
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,

@@ -51,6 +51,11 @@ class LayerRange:
     def __str__(self) -> str:
         return f"layers {self.start}-{self.end - 1} of {self.num_layers}"
 
+    def block_format(self, kv_format: str) -> str:
+        """The KV format in the block-hash namespace of this stage's blocks: they hold its layers alone, so never the
+        same block as another stage's or a whole model's."""
+        return kv_format if self.is_whole else f"{kv_format}@{self.start}-{self.end}"
+
     def local_config(self, config: LlamaConfig) -> LlamaConfig:
         """The model's shape as this stage holds it: its layers only (its KV pool and cost are sized by it)."""
         if config.num_layers != self.num_layers:

@@ -117,7 +117,7 @@ def test_stages_of_whole_engines_share_their_weights(make_engine) -> None:
     tokens = _decode_rest(make_engine(), "r1", prompt, first, pipeline.prompt_kv("r1"))
     assert tokens == expected.token_ids
     assert hosts[0].generate([prompt], GREEDY)[0].token_ids == expected.token_ids  # the host still runs whole
-    with pytest.raises(ValueError, match="whole model"):
+    with pytest.raises(ValueError, match="of a whole-model engine, not of a stage"):
         stages[0].stage_engine(ranges[0], 16 << 20)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from services.virtual.nats import wire_bytes
 from shared.wire.handoff.stage_rows import RowsAssembly, rows_parts
 from shared.wire.parts import PartError
 from shared.wire.protocol import PrefillTask, ProtocolError, SamplingParams, StageRows, StageTask, decode, encode
@@ -73,3 +74,20 @@ def test_stage_messages_are_checked_on_decode() -> None:
     for fields in ({"token_end": 0}, {"hidden_size": 0}, {"seq": 1}, {"raw_size": -1}, {"checksum": -1}):
         with pytest.raises(ProtocolError):
             decode(encode(dataclasses.replace(part, **fields)), StageRows)
+
+
+def test_meta_rows_travel_as_their_size_and_only_a_sizes_receiver_takes_them() -> None:
+    rows = torch.empty(40, HIDDEN, dtype=torch.bfloat16, device="meta")  # the sim engine's: a shape, no values
+    (part,) = rows_parts("r", 64, rows, part_bytes=HIDDEN * 2)
+    assert part.codec == "size-only" and part.raw_size == 40 * HIDDEN * 2 and part.data == b""
+    assert wire_bytes(encode(part)) == len(encode(part)) + 40 * HIDDEN * 2  # what the virtual network carries
+    assembly = RowsAssembly(part)
+    assembly.add(decode(encode(part), StageRows))
+    start, back = assembly.rows(HIDDEN, sizes_only=True)
+    assert start == 64 and back.is_meta and back.shape == (40, HIDDEN) and back.dtype == torch.bfloat16
+    with pytest.raises(PartError, match="sizes without values, for a stage that computes them"):
+        assembly.rows(HIDDEN)
+    with pytest.raises(PartError, match="not 40 rows"):
+        lying = RowsAssembly(part)
+        lying.add(dataclasses.replace(part, raw_size=part.raw_size - 2))
+        lying.rows(HIDDEN, sizes_only=True)

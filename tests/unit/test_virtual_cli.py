@@ -21,6 +21,8 @@ from services.virtual.cli import main
     (["--num-requests", "0"], "--num-requests must be at least 1"),
     (["--time-scale", "0"], "--time-scale and --bandwidth-gbps must be positive"),
     (["--env", "POLICY=random"], "--env takes TSUKIMI_NAME=VALUE"),
+    (["--prefill", "3", "--cpp-group", "2"], "--cpp-group must divide --prefill into groups, got 2 for 3"),
+    (["--colocated", "2", "--cpp-group", "2"], "a colocated cluster has no prefill pool"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

@@ -44,10 +44,7 @@ def build_kv_store(
     def blocks(num_blocks: int) -> BlockManager:
         if num_blocks < 2:
             raise ValueError(f"a KV pool of {pool_bytes >> 20} MiB holds {num_blocks} blocks; need at least 2")
-        # A stage's blocks hold its layers alone: never the same block as another stage's or a whole model's.
-        stage, kv_format = config.stage, config.kv_format
-        if stage is not None and not stage.is_whole:
-            kv_format = f"{kv_format}@{stage.start}-{stage.end}"
+        kv_format = config.kv_format if config.stage is None else config.stage.block_format(config.kv_format)
         namespace = make_namespace(checkpoint.fingerprint, kv_format)
         return BlockManager(num_blocks, config.block_size, namespace, on_block_event)
 
