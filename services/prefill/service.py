@@ -160,6 +160,7 @@ class PrefillService:
             max_num_seqs=self.engine.runner.max_num_seqs,
             pipeline_group=list(self.settings.cpp_group) if stage else [],
             pipeline_min_tokens=self.settings.cpp_min_tokens if stage else 0,
+            pipeline_row_bytes=stage.row_bytes if stage else 0,
         )
 
     async def handle_task(self, msg: PrefillTask) -> None:

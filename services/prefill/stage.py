@@ -102,6 +102,12 @@ class PipelineStage:
         return self.stage.is_first
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's hidden-state row sent to the next stage, before coding (what the Conductor prices
+        each boundary at)."""
+        return self.engine.model_config.hidden_size * self.engine.config.torch_dtype.itemsize
+
+    @property
     def request_ids(self) -> list[str]:
         """The requests held here (the heartbeat reports them: a lost stage fails them)."""
         return list(self._held)
@@ -273,7 +279,8 @@ class PipelineStage:
             self._held.pop(task.request_id, None)
             log.info("pipeline stage done", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                      chunks=held.num_chunks, tokens_from=out.num_cached_tokens, next_stage=self.next_id,
-                     rows_bytes=held.rows_bytes, rows_raw_bytes=held.rows_raw_bytes, seconds=round(time.monotonic() - held.started_at, 4))
+                     rows_bytes=held.rows_bytes, rows_raw_bytes=held.rows_raw_bytes,
+                     seconds=round(time.monotonic() - held.started_at, 4))
 
     async def _hand_off(self, held: _Held, out: RequestOutput) -> None:
         """The last stage: end the hand-off with the first token (or, finished at it, answer here and close it)."""

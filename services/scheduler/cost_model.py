@@ -118,17 +118,23 @@ class PrefillCostModel:
         num_new = max(num_tokens - num_reused, 0)
         return self.model.predict(num_new, attention_work(num_tokens, num_reused)) if num_new else 0.0
 
-    def pipeline_s(self, num_tokens: int, num_reused: int, num_stages: int, step_tokens: int) -> float:
+    def pipeline_s(self, num_tokens: int, num_reused: int, num_stages: int, step_tokens: int,
+                   boundary_s_per_token: float = 0.0) -> float:
         """Seconds for a pipeline group of `num_stages` stages (an equal share of the layers each) to compute a prompt
-        from token `num_reused` in chunks of `step_tokens`: a chunk takes 1/num_stages of its step on each stage, and
-        chunk c+1 enters the first stage as chunk c leaves it, so the prompt takes its chunks' time on one stage plus
-        its last chunk's on the others (Mooncake's CPP, arXiv 2407.00079 section 5.1)."""
+        from token `num_reused` in chunks of `step_tokens`, a token's hidden state taking `boundary_s_per_token` to
+        cross a boundary between stages: a chunk takes 1/num_stages of its step on each stage, and chunk c+1 enters
+        the first stage as chunk c leaves it (or, when its rows take longer to cross than to compute, as they have
+        crossed), so the prompt takes its chunks' time on one stage plus its last chunk's compute and crossings on the
+        others (Mooncake's CPP, arXiv 2407.00079 section 5.1)."""
         starts = range(num_reused, num_tokens, step_tokens)
-        chunk_s = [self.model.predict(min(step_tokens, num_tokens - start),
-                                      attention_work(min(start + step_tokens, num_tokens), start)) for start in starts]
-        if not chunk_s:
+        sizes = [min(step_tokens, num_tokens - start) for start in starts]
+        if not sizes:
             return 0.0
-        return (sum(chunk_s) + (num_stages - 1) * chunk_s[-1]) / num_stages
+        chunk_s = [self.model.predict(n, attention_work(start + n, start)) / num_stages
+                   for start, n in zip(starts, sizes, strict=True)]
+        crossing_s = [n * boundary_s_per_token for n in sizes] if num_stages > 1 else [0.0] * len(sizes)
+        paced = sum(max(c, x) for c, x in zip(chunk_s, crossing_s, strict=True))
+        return paced + (num_stages - 1) * (chunk_s[-1] + crossing_s[-1])
 
     def queue_s(self, num_tokens: int, work: float, step_tokens: int) -> float:
         """Seconds to compute `num_tokens` of queued prompts, of attention work `work` in all, in steps of

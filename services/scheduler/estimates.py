@@ -125,9 +125,13 @@ class ClusterView:
 
     def _pipeline_option(self, beat: Heartbeat, request: SubmitRequest, num_stages: int) -> PrefillOption:
         """TTFT on the pipeline group `beat` leads: the prompts it already leads first (each until its predicted first
-        token: the group computes them in order), then its chunks through the stages. The stages' own prefix caches
-        are not in the index, so nothing counts as reused (the stages may still find some)."""
-        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), 0, num_stages, self.max_batched_tokens)
+        token: the group computes them in order), then its chunks through the stages, their hidden states crossing
+        each boundary at the rate the instance measures from the cache-store (the same network; a default before it
+        has measured one). The stages' own prefix caches are not in the index, so nothing counts as reused (the
+        stages may still find some)."""
+        rate = beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S
+        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), 0, num_stages, self.max_batched_tokens,
+                                               beat.pipeline_row_bytes / rate)
         ahead = [t.decode_start for t in self.tracked.values() if t.prefill_id == beat.instance_id and t.num_stages > 1]
         wait = max(max(ahead, default=self.now) - self.now, 0.0)
         return PrefillOption(beat.instance_id, 0, 0, False, wait, compute, 0.0, num_stages)

@@ -45,6 +45,7 @@ class Load:
     max_num_seqs: int = 0
     pipeline_group: list[str] = field(default_factory=list)
     pipeline_min_tokens: int = 0
+    pipeline_row_bytes: int = 0
 
 
 _LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Load))

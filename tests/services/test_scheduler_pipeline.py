@@ -71,3 +71,25 @@ async def test_a_group_missing_a_stage_runs_nothing_through_the_pipeline() -> No
     view = scheduler.view().for_prompt(3000)
     assert view.pipelines == {}
     assert view.prefill_option(view.prefills[0], _submit("long", 3000), use_pool=True).num_stages == 1
+
+
+@pytest.mark.parametrize("bytes_per_s", [1e9, 1e5])
+async def test_the_hidden_states_crossing_a_boundary_are_priced_at_the_measured_link(bytes_per_s: float) -> None:
+    """Each chunk's rows cross to the next stage at the rate the instance measured from the cache-store: on a fast
+    link they add the last chunk's crossing alone; on a slow one they pace the pipeline."""
+    scheduler, _, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_MAX_BATCHED_TOKENS="512")
+    leader = dataclasses.replace(_member("p0"), pipeline_row_bytes=1152, fetch_bytes_per_s=bytes_per_s)
+    await _cluster(scheduler, leader, _member("p1"), _beat("d0", Role.DECODE))
+    view = scheduler.view().for_prompt(3000)
+    option = view.prefill_option(view.prefills[0], _submit("long", 3000), use_pool=True)
+    cost = view.prefill_cost
+    sizes = [min(512, 3000 - start) for start in range(0, 3000, 512)]
+    halves = [cost.predict(min(start + 512, 3000), start) / 2 for start in range(0, 3000, 512)]
+    crossings = [n * 1152 / bytes_per_s for n in sizes]
+    expected = sum(max(h, x) for h, x in zip(halves, crossings, strict=True)) + halves[-1] + crossings[-1]
+    assert option.compute_s == pytest.approx(expected)
+    no_link = (sum(halves) + halves[-1])
+    if bytes_per_s == 1e9:
+        assert option.compute_s == pytest.approx(no_link + crossings[-1]) and crossings[-1] < 0.001
+    else:
+        assert option.compute_s > 2 * no_link  # 2.9 s of crossings for 3000 rows of 1,152 bytes
