@@ -26,14 +26,14 @@ async def build(settings: EngineSettings, bus: Bus) -> PrefillService:
         log.warning("TSUKIMI_CACHE_BLOCK_KEY is not set: the cache-store's KV blocks are not signed, so a block put "
                     "under another block's hash would be used (see `tsukimi secrets`)")
     signer = BlockSigner(settings.cache_block_key or None)
+    cache = CacheClient(bus, settings.cache_shards, signer=signer)
     stage = None
     if settings.cpp_group:  # long prompts run on the group's stages: this instance's, on its own weights
         group = settings.cpp_group
         if settings.instance_id not in group:
             raise ValueError(f"TSUKIMI_CPP_GROUP={','.join(group)} does not name this instance, {settings.instance_id}")
         layers = split_layers(engine.model_config.num_layers, len(group))[group.index(settings.instance_id)]
-        stage = PipelineStage(settings, bus, engine.stage_engine(layers, settings.cpp_kv_bytes))
-    cache = CacheClient(bus, settings.cache_shards, signer=signer)
+        stage = PipelineStage(settings, bus, engine.stage_engine(layers, settings.cpp_kv_bytes), cache)
     return PrefillService(settings, bus, engine, cache, events, stage)
 
 

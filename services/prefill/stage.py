@@ -3,7 +3,9 @@ section 5.1). Every instance of a group holds the whole model for short prompts 
 its layers, on the same weights, for long ones: the first stage computes a long prompt chunk by chunk and sends each
 chunk's residual stream to the next stage (`StageRows` on `prefill.<id>.stage`), which computes that chunk with its
 layers while the first computes the next chunk, and so on; each stage streams its own layers' KV into the request's
-hand-off to decode (the first stage opened it), and the last one ends it with the first token.
+hand-off to decode (the first stage opened it), and the last one ends it with the first token. Once its part of a
+prompt is done, each stage puts its layers of the prompt's new full blocks into the cache-store, under block ids of
+its own namespace (`LayerRange.block_format`: never a whole model's or another stage's).
 
 It owns the stage engine (`LLMEngine.stage_engine`: its own KV pool, its own engine thread) and the requests in
 it; the prefill service decides which prompts it leads (`PrefillService`) and forwards cancellations.
@@ -24,13 +26,16 @@ from services.common.tasks import BackgroundTasks
 from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
+from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.sequence import FinishReason, Sequence
 from shared.model.stages import LayerRange
 from shared.wire.bus import Bus, BusError
+from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.stage_rows import RowsAssembly, rows_parts
 from shared.wire.log import get_logger
 from shared.wire.parts import PartError
+from shared.wire.payload import Payload
 from shared.wire.protocol import (
     Ack,
     Cancel,
@@ -53,6 +58,7 @@ class _Held:
 
     task: PrefillTask
     num_kv_chunks: int
+    hashes: list[int] = field(default_factory=list)  # the prompt's full blocks' ids in this stage's namespace
     rows_in: dict[int, RowsAssembly] = field(default_factory=dict)  # parts of the chunks arriving, by first token
     ready_in: dict[int, torch.Tensor] = field(default_factory=dict)  # whole chunks ahead of the next expected one
     next_in: int = -1  # the first token of the next chunk the engine takes (-1: before the task's start)
@@ -72,11 +78,12 @@ class PipelineStage:
         settings: the prefill service's settings (`cpp_group` names the group, first stage first).
         bus: the NATS connection.
         engine: the stage engine (`EngineConfig.stage` set), over the instance's model.
+        cache: the cache-store its layers' blocks go to (None: none).
     Raises:
         ValueError: this instance is not in the group, or the engine runs no stage of it.
     """
 
-    def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine) -> None:
+    def __init__(self, settings: EngineSettings, bus: Bus, engine: LLMEngine, cache: CacheClient | None = None) -> None:
         group, me = settings.cpp_group, settings.instance_id
         stage = engine.config.stage
         if me not in group or stage is None:
@@ -86,7 +93,9 @@ class PipelineStage:
         self.index = group.index(me)
         self.next_id = None if stage.is_last else group[self.index + 1]
         self.host: EngineHost[RequestOutput] = EngineHost(engine)
+        self.cache = cache
         self._held: dict[str, _Held] = {}
+        self._new_blocks: dict[str, tuple[int, list[Payload]]] = {}  # engine thread -> loop: (first block, blocks)
         self._aborts: set[str] = set()
         self.tasks = BackgroundTasks()
         self.sender = LayerSender(settings, bus, self.host, self.tasks)  # its layers' KV, and its hidden states
@@ -135,7 +144,7 @@ class PipelineStage:
 
     async def lead(self, task: PrefillTask, num_kv_chunks: int) -> None:
         """The first stage takes a prompt whose hand-off to decode is open, with `num_kv_chunks` chunks."""
-        self._held[task.request_id] = _Held(task, num_kv_chunks)
+        self._held[task.request_id] = _Held(task, num_kv_chunks, self._hashes(task.prompt_ids))
         log.info("pipeline prompt", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  prompt_tokens=len(task.prompt_ids), stages=len(self.group))
         try:
@@ -153,7 +162,7 @@ class PipelineStage:
         task = msg.task
         if self.leads or task.request_id in self._held:
             return Ack(False, f"{self.settings.instance_id} is stage {self.index}, or holds {task.request_id} already")
-        self._held[task.request_id] = _Held(task, msg.num_kv_chunks, next_in=msg.start)
+        self._held[task.request_id] = _Held(task, msg.num_kv_chunks, self._hashes(task.prompt_ids), next_in=msg.start)
         log.info("pipeline prompt", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  prompt_tokens=len(task.prompt_ids), tokens_from=msg.start)
         try:
@@ -218,9 +227,28 @@ class PipelineStage:
             scale = self.stage.num_layers / len(self.stage)
             self.samples.add(dataclasses.replace(stats, seconds=stats.seconds * scale))
         for out in outputs:
+            part_done = out.finished or bool(out.new_token_ids)  # rows of the prompt's end sent, or its first token
+            if part_done and out.finish_reason != FinishReason.ERROR:
+                self._export_blocks(out)
             if out.new_token_ids and not out.finished:  # the last stage's first token: its part is done
                 self.engine.abort(out.request_id)
         return outputs, computed and self.engine.has_unfinished()
+
+    def _export_blocks(self, out: RequestOutput) -> None:
+        """Engine thread: the prompt's full blocks this stage computed (not those it reused), for the cache-store."""
+        held = self._held.get(out.request_id)
+        if self.cache is None or held is None:
+            return
+        first = out.num_cached_tokens // self.engine.config.block_size
+        hashes = held.hashes[first:]
+        if not hashes:
+            return
+        if out.finished:  # the engine left its blocks in its prefix cache
+            blocks = self.engine.export_cached_payloads(hashes, first)
+        else:
+            blocks = self.engine.export_block_payloads(out.request_id, first, len(hashes))
+        if blocks:
+            self._new_blocks[out.request_id] = (first, blocks)
 
     def _on_layer(self, layer_idx: int, seqs: list[Sequence]) -> None:
         """Engine thread, mid-forward: this stage's layer of a finished prompt, copied for decode."""
@@ -238,8 +266,11 @@ class PipelineStage:
     async def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             held = self._held.get(out.request_id)
+            new_blocks = self._new_blocks.pop(out.request_id, None)
             if held is None:
                 continue
+            if new_blocks is not None:
+                self.tasks.spawn(self._store_blocks(held, *new_blocks), f"store-stage-blocks-{out.request_id}")
             if out.finish_reason == FinishReason.ERROR:
                 await self._fail(out.request_id, ErrorType.INTERNAL, f"pipeline stage {self.index}: {out.error}")
                 continue
@@ -300,6 +331,20 @@ class PipelineStage:
         log.info("prefilled", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  chunks=held.num_chunks, ttft_s=round(time.time() - task.arrival_time, 4),
                  kv_chunks=held.num_kv_chunks)
+
+    async def _store_blocks(self, held: _Held, first: int, blocks: list[Payload]) -> None:
+        """Off the critical path: this stage's layers of the prompt's new full blocks into the cache-store, in parts
+        of whole layers."""
+        assert self.cache is not None
+        stored = 0
+        for i, data in enumerate(blocks):
+            layer_bytes = self.engine.store.payload_layer_bytes(first + i == 0)
+            stored += await self.cache.put_block(held.hashes[first + i], data, align_bytes=layer_bytes)
+        log.info("pipeline blocks stored", request_id=held.task.request_id, stage=self.index, layers=str(self.stage),
+                 first_block=first, blocks=stored, of=len(blocks))
+
+    def _hashes(self, prompt_ids: list[int]) -> list[int]:
+        return block_hashes(prompt_ids, self.engine.config.block_size, self.engine.block_manager.namespace)
 
     async def _to_decode(self, held: _Held, msg: Message) -> None:
         await self.bus.publish(self.bus.subjects.decode_handoff(held.task.decode_id), msg)

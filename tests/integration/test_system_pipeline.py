@@ -1,6 +1,7 @@
 """Chunked pipeline parallelism through the real services (issue 22): `tsukimi up --prefill 2 --cpp-group 2` with the
 real model. A prompt of a few thousand tokens is computed by both prefill instances as two stages (layers 0-14 and
-15-29), chunk after chunk, its KV reaching decode from both, and the answer is one engine's; a short prompt runs
+15-29), chunk after chunk, its KV reaching decode from both and each stage's layers of its blocks reaching the
+cache-store, and the answer is one engine's; a short prompt runs
 whole on one instance; each stage's log names the request and what it computed; a stage killed mid-prompt fails that
 request with a clear 503 while a request beside it is served."""
 
@@ -54,6 +55,17 @@ def _log_lines(system: System, instance: str, request_id: str) -> list[dict[str,
     return [json.loads(line) for line in lines if line.startswith("{") and request_id in line]
 
 
+def _wait_for_event(system: System, instance: str, request_id: str, event: str, timeout_s: float = 30.0
+                    ) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [line for line in _log_lines(system, instance, request_id) if line["event"] == event]
+        if found or time.monotonic() > deadline:
+            assert found, f"{instance} logged no {event!r} for {request_id} within {timeout_s:.0f} s"
+            return found[0]
+        time.sleep(0.2)
+
+
 def test_a_long_prompt_runs_on_both_stages_and_answers_as_one_engine(system: System, make_engine) -> None:
     prompt = _text(8_000)
     status, answer = _complete(system, prompt, 12)
@@ -73,6 +85,10 @@ def test_a_long_prompt_runs_on_both_stages_and_answers_as_one_engine(system: Sys
     assert "prefilled" not in first  # the first stage ends no hand-off: the last one does
     (placed,) = [line for line in _log_lines(system, "scheduler-0", request_id) if line["event"] == "placed"]
     assert placed["prefill"] == "prefill-0" and placed["pipeline_stages"] == 2
+    block_size = int(ENV_VARS["TSUKIMI_BLOCK_SIZE"].default)
+    for instance in ("prefill-0", "prefill-1"):  # each stage's layers of the prompt's blocks, off the critical path
+        stored = _wait_for_event(system, instance, request_id, "pipeline blocks stored")
+        assert stored["first_block"] == 0 and stored["blocks"] == stored["of"] == len(ids) // block_size
 
 
 def test_a_short_prompt_runs_whole_on_one_instance(system: System) -> None:

@@ -1,7 +1,8 @@
 """Chunked pipeline parallelism on the virtual clock (issue 22, point 4): `python -m services.virtual --cpp-group 3`
 runs the prefill service's own pipeline stages over the sim engine: a long prompt's chunks flow through three stages
 of a third of the layers each, their hidden states crossing the modelled network, so its TTFT is a little over a
-third of one instance's, and the stages' log lines name the layers and chunks each computed."""
+third of one instance's; the stages' log lines name the layers and chunks each computed, and each stage puts its
+layers of the prompt's blocks into the cache-store."""
 
 from __future__ import annotations
 
@@ -54,3 +55,11 @@ def test_three_stages_prefill_a_long_prompt_in_about_a_third_of_the_time(tmp_pat
     assert first_stage[0]["rows_raw_bytes"] == PROMPT_TOKENS * HIDDEN_BYTES
     prefilled = [line for line in log if line["event"] == "prefilled" and line["request_id"] == "trace-0"]
     assert prefilled[0]["stage"] == 2 and prefilled[0]["layers"] == "layers 54-79 of 80"
+    # Each stage put its layers of the prompt's full blocks into the cache-store, then of each later prompt the
+    # half it computed.
+    stored = [(line["request_id"], line["stage"], line["first_block"], line["blocks"]) for line in log
+              if line["event"] == "pipeline blocks stored"]
+    blocks = PROMPT_TOKENS // 512
+    assert sorted(stored) == sorted([("trace-0", stage, 0, blocks) for stage in range(3)]
+                                    + [(f"trace-{i}", stage, blocks // 2, blocks // 2)
+                                       for i in range(1, 4) for stage in range(3)])
