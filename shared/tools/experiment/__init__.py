@@ -1,6 +1,8 @@
-"""`tsukimi-loadgen experiment mooncake`: the Mooncake paper's scheduling experiment reproduced on the sim backend.
+"""`tsukimi-loadgen experiment mooncake`: the Mooncake paper's scheduling experiment reproduced on the sim backend;
+`tsukimi-loadgen experiment long-context`: its long-context experiment (chunked pipeline parallelism).
 
-Parses the command line and writes the outputs; the runs are `mooncake.py`, the figures `results.py` and `report.py`.
+Parses the command line and writes the outputs; the runs are `mooncake.py` and `long_context.py`, the figures
+`results.py`, `report.py` and `long_context_report.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadgen.trace import BUNDLED_TRACE, CONVERSATION_TRACE, TraceError
+from loadgen.trace import BUNDLED_TRACE, CONVERSATION_TRACE, TRACE_BLOCK_LEN, TraceError
 from shared.sim.profiles import PROFILES
+from shared.tools.experiment.long_context import LENGTHS, LongContextConfig, run_long_context
+from shared.tools.experiment.long_context_report import write_long_context_report
 from shared.tools.experiment.mooncake import (
     ALL_POLICIES,
     POLICIES,
@@ -62,6 +66,15 @@ of 16 nodes from 5P11D to 11P5D, rejection off / on current load / predicted at 
 pools' load over time, and the pool and every transfer at kvquant-3's bytes.
 """
 
+LONG_CONTEXT_DESCRIPTION = """\
+Reproduce Mooncake's long-context experiment (arXiv 2407.00079 v1, section 8.1.1, Fig. 12) on the virtual clock
+(python -m services.virtual: the whole cluster in one process, the sim engine backend, nothing sleeping): prompts of
+16k, 32k, 64k and 128k tokens, 512 out, half of each prompt a shared prefix, Poisson arrivals. For each length, the
+highest request rate at which P90 TTFT <= 10x and P90 TBT <= 5x the values of one request alone on one node, for
+tsukimi 3P+1D with its prefill instances one pipeline group (chunked pipeline parallelism), the same without it, and
+4 colocated instances (the vLLM-style baseline); beside the paper's +50% to +525%. About 40 minutes on two cores.
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tsukimi-loadgen experiment", description="Reproducible experiments.")
@@ -69,9 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     mooncake = experiments.add_parser("mooncake", help="the Mooncake paper's scheduling experiment, simulated",
                                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_options(mooncake)
+    long_context = experiments.add_parser(
+        "long-context", help="Mooncake's long-context experiment (Fig. 12): chunked pipeline parallelism, simulated",
+        description=LONG_CONTEXT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_long_context_options(long_context)
     args = parser.parse_args(argv)
+    argv = argv if argv is not None else sys.argv[2:]
+    if args.experiment == "long-context":
+        return _run_long_context(args, long_context, argv)
     config = _config(args, parser)
-    return _run(config, args, argv if argv is not None else sys.argv[2:])
+    return _run(config, args, argv)
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +131,53 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     real.add_argument("--ttft-slo-ms", type=float, default=30_000.0, metavar="MS", help="default: 30000 (the paper's)")
     real.add_argument("--tbt-slos-ms", default="100,200,300", metavar="A,B,C",
                       help="TBT SLOs, each reported apart (default: 100,200,300, the paper's)")
+
+
+def _add_long_context_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), metavar="A,B,...",
+                        help="prompt lengths in tokens (default: 16384,32768,65536,130560: the paper's 16k-128k, "
+                             "128k less the 512 out)")
+    parser.add_argument("--num-requests", type=int, default=300, metavar="N", help="requests a run (default 300)")
+    parser.add_argument("--steps", type=int, default=3, metavar="K",
+                        help="geometric bisections of the rate after it is bracketed (default 3: within 9%%)")
+    parser.add_argument("--parallel", type=int, default=2, metavar="N", help="runs at once, one core each (default 2)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="llama3-70b-8xa800",
+                        help="model and GPUs each simulated node stands for (default: llama3-70b-8xa800)")
+    parser.add_argument("--report", type=Path, metavar="DIR", default=Path("long-context-report"),
+                        help="folder for report.md, its PNG and result.json (default: ./long-context-report)")
+    parser.add_argument("--log-dir", type=Path, metavar="DIR",
+                        help="the traces and every run's log (default: a temp folder)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the prefixes (default 0)")
+
+
+def _run_long_context(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        parser.error(f"--lengths must be whole numbers separated by commas, got {args.lengths!r}")
+    if min(lengths) < TRACE_BLOCK_LEN or args.num_requests < 10 or args.steps < 0 or args.parallel < 1:
+        parser.error(f"lengths must be at least {TRACE_BLOCK_LEN}, --num-requests at least 10, --steps at least 0 "
+                     "and --parallel at least 1")
+    signal.signal(signal.SIGTERM, _interrupt)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tsukimi-long-context-"))
+    config = LongContextConfig(log_dir, lengths, num_requests=args.num_requests, steps=args.steps,
+                               parallel=args.parallel, profile=args.profile, seed=args.seed)
+    started = time.monotonic()
+    say(f"SIMULATION ({args.profile}) on the virtual clock: {len(lengths)} lengths x {len(config.systems)} systems; "
+        f"logs in {log_dir}")
+    try:
+        results = run_long_context(config, say)
+    except RuntimeError as exc:
+        print(f"tsukimi-loadgen experiment: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    report = write_long_context_report(results, args.report, "tsukimi-loadgen experiment " + shlex.join(argv))
+    (args.report / "result.json").write_text(json.dumps(results, indent=1))
+    say(f"report: {report}")
+    return 0
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ExperimentConfig:

@@ -26,8 +26,8 @@ VIRTUAL_LOG = "virtual.log"
 @dataclass(frozen=True)
 class VirtualRun:
     """One run: the trace's first `num_requests` (None: all) at `time_scale`; `colocated` instances, or `prefill` +
-    `decode` with `cache_stores` shards; `env` for every instance; outputs in `log_dir`; every output at most
-    `max_output_tokens` (None: the trace's)."""
+    `decode` with `cache_stores` shards (prefill in pipeline groups of `cpp_group`); `env` for every instance;
+    outputs in `log_dir`; every output at most `max_output_tokens` (None: the trace's)."""
 
     trace: Path
     num_requests: int | None
@@ -40,6 +40,7 @@ class VirtualRun:
     env: dict[str, str]
     log_dir: Path
     max_output_tokens: int | None = None
+    cpp_group: int = 1
 
     @property
     def json_path(self) -> Path:
@@ -61,7 +62,7 @@ class VirtualRun:
             cmd += ["--colocated", str(self.colocated), "--cache-stores", str(self.cache_stores)]
         else:
             cmd += ["--prefill", str(self.prefill), "--decode", str(self.decode), "--cache-stores",
-                    str(self.cache_stores)]
+                    str(self.cache_stores), "--cpp-group", str(self.cpp_group)]
         for name, value in self.env.items():
             cmd += ["--env", f"{name}={value}"]
         return cmd
