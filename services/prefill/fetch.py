@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import time
 
@@ -40,6 +41,8 @@ class StoreLoader:
         self.cache, self.store, self.loop, self.timeout_s = cache, store, loop, timeout_s
         self.bandwidth = MovingRate()  # bytes per second of completed loads
         self._tasks: set[asyncio.Task[None]] = set()
+        # The service's context (its log fields), for the fetches the engine thread starts: a thread has its own.
+        self._context = contextvars.copy_context()
 
     def source(self, request_id: str, hashes: list[int], block_size: int) -> PrefixSource:
         """A source of the prompt's first `len(hashes)` blocks, as the cache-store holds them."""
@@ -54,7 +57,7 @@ class StoreLoader:
         """Engine thread, at admission: the load of blocks [first_block, first_block + len(block_ids))."""
         load = PrefixLoad(self.store, block_ids, self.timeout_s, first_block=first_block)
         wanted = hashes[first_block : first_block + len(block_ids)]
-        self.loop.call_soon_threadsafe(self._spawn, request_id, wanted, load)
+        self.loop.call_soon_threadsafe(self._spawn, request_id, wanted, load, context=self._context)
         return load
 
     def _spawn(self, request_id: str, hashes: list[int], load: PrefixLoad) -> None:

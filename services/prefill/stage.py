@@ -5,7 +5,10 @@ chunk's residual stream to the next stage (`StageRows` on `prefill.<id>.stage`),
 layers while the first computes the next chunk, and so on; each stage streams its own layers' KV into the request's
 hand-off to decode (the first stage opened it), and the last one ends it with the first token. Once its part of a
 prompt is done, each stage puts its layers of the prompt's new full blocks into the cache-store, under block ids of
-its own namespace (`LayerRange.block_format`: never a whole model's or another stage's).
+its own namespace (`LayerRange.block_format`: never a whole model's or another stage's), and each loads its layers
+of a prompt's prefix from there when its own cache lacks them: the first stage starts a prompt after the longest
+prefix every stage's layers of are in the cache-store (or its own cache holds, which the others' mirror: they
+computed the same prompts), and a later stage fetches what its cache lacks of that prefix.
 
 It owns the stage engine (`LLMEngine.stage_engine`: its own KV pool, its own engine thread) and the requests in
 it; the prefill service decides which prompts it leads (`PrefillService`) and forwards cancellations.
@@ -23,13 +26,15 @@ import torch
 
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
+from services.prefill.fetch import StoreLoader
 from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
 from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
+from shared.engine.kv.prefix_load import PrefixSource
 from shared.engine.sequence import FinishReason, Sequence
-from shared.model.stages import LayerRange
+from shared.model.stages import LayerRange, split_layers
 from shared.wire.bus import Bus, BusError
 from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.stage_rows import RowsAssembly, rows_parts
@@ -94,6 +99,8 @@ class PipelineStage:
         self.next_id = None if stage.is_last else group[self.index + 1]
         self.host: EngineHost[RequestOutput] = EngineHost(engine)
         self.cache = cache
+        self.loader = None if cache is None else StoreLoader(cache, engine.store, self.host.loop,
+                                                             settings.kv_deadline_s)
         self._held: dict[str, _Held] = {}
         self._new_blocks: dict[str, tuple[int, list[Payload]]] = {}  # engine thread -> loop: (first block, blocks)
         self._aborts: set[str] = set()
@@ -130,6 +137,8 @@ class PipelineStage:
                  next_stage=self.next_id, min_tokens=self.settings.cpp_min_tokens)
 
     async def stop(self) -> None:
+        if self.loader is not None:
+            await self.loader.stop()
         await self.host.stop()
         await self.tasks.close()
         self.sender.close()
@@ -144,11 +153,12 @@ class PipelineStage:
 
     async def lead(self, task: PrefillTask, num_kv_chunks: int) -> None:
         """The first stage takes a prompt whose hand-off to decode is open, with `num_kv_chunks` chunks."""
-        self._held[task.request_id] = _Held(task, num_kv_chunks, self._hashes(task.prompt_ids))
+        held = self._held[task.request_id] = _Held(task, num_kv_chunks, self._hashes(task.prompt_ids))
         log.info("pipeline prompt", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  prompt_tokens=len(task.prompt_ids), stages=len(self.group))
         try:
-            await self.host.call(self.engine.add_request, task.request_id, task.prompt_ids, task.sampling)
+            source = await self._group_prefix(held)
+            await self.host.call(self.engine.add_request, task.request_id, task.prompt_ids, task.sampling, source)
         except ValueError as exc:
             await self._fail(task.request_id, ErrorType.INVALID, str(exc))
             return
@@ -167,8 +177,9 @@ class PipelineStage:
                  prompt_tokens=len(task.prompt_ids), tokens_from=msg.start)
         try:
             self.engine.check_prompt(task.prompt_ids)
+            source = await self._missing_prefix(self._held[task.request_id], msg.start)
             await self.host.call(self.engine.add_stage_request, task.request_id, task.prompt_ids, task.sampling,
-                                 msg.start)
+                                 msg.start, source)
         except ValueError as exc:
             await self._fail(task.request_id, ErrorType.INVALID, str(exc))
         return Ack()
@@ -345,6 +356,37 @@ class PipelineStage:
 
     def _hashes(self, prompt_ids: list[int]) -> list[int]:
         return block_hashes(prompt_ids, self.engine.config.block_size, self.engine.block_manager.namespace)
+
+    async def _group_prefix(self, held: _Held) -> PrefixSource | None:
+        """The first stage: a source of the longest prefix of the prompt whose blocks of every stage's layers the
+        cache-store holds, when that is longer than this stage's own cache holds (None: start after its own)."""
+        if self.cache is None or self.loader is None:
+            return None
+        prompt, size = held.task.prompt_ids, self.engine.config.block_size
+        usable = (len(prompt) - 1) // size  # the last token is always computed
+        local = await self.host.call(self.engine.block_manager.num_reusable_tokens, prompt)
+        if usable * size <= local:
+            return None
+        num_blocks = usable
+        for layers in split_layers(self.stage.num_layers, len(self.group)):
+            hashes = held.hashes if layers == self.stage else block_hashes(
+                prompt, size, self.engine.block_namespace(layers))
+            num_blocks = min(num_blocks, await self.cache.longest_prefix(hashes[:num_blocks]))
+            if num_blocks * size <= local:
+                return None
+        return self.loader.source(held.task.request_id, held.hashes[:num_blocks], size)
+
+    async def _missing_prefix(self, held: _Held, start: int) -> PrefixSource | None:
+        """A later stage: a source of the `start` tokens the first stage reused, when this stage's own cache holds
+        fewer of them and the cache-store holds them all (else None: the engine fails the request if it lacks
+        them)."""
+        if start == 0 or self.cache is None or self.loader is None:
+            return None
+        local = await self.host.call(self.engine.block_manager.num_reusable_tokens, held.task.prompt_ids)
+        num_blocks = start // self.engine.config.block_size
+        if local >= start or await self.cache.longest_prefix(held.hashes[:num_blocks]) < num_blocks:
+            return None
+        return self.loader.source(held.task.request_id, held.hashes[:num_blocks], self.engine.config.block_size)
 
     async def _to_decode(self, held: _Held, msg: Message) -> None:
         await self.bus.publish(self.bus.subjects.decode_handoff(held.task.decode_id), msg)

@@ -151,9 +151,11 @@ class VirtualCluster:
         client.context = context
         bus = Bus(cast(Client, client), self.subjects)
         service = await _in_context(context, build(settings, bus))
-        host = getattr(service, "host", None)
-        if role == "prefill" and host is not None:
-            self.loop.mark_threaded(host.executor)
+        if role == "prefill":  # its engines wait for prefix KV from the cache-store, layer by layer
+            for owner in (service, getattr(service, "stage", None)):
+                host = getattr(owner, "host", None)
+                if host is not None:
+                    self.loop.mark_threaded(host.executor)
         await _in_context(context, service.start())
         self.instances.append(Instance(instance_id, role, node, settings, bus, service, context))
 

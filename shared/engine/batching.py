@@ -157,13 +157,15 @@ class Scheduler:
             except OutOfBlocks:
                 break
             self.waiting.remove(seq)
-            if stage_start is not None and cached < stage_start:
+            computed = self._start_load(seq, cached)
+            if stage_start is not None and computed < stage_start:
+                _end_load(seq)
                 self.block_manager.free(seq.request_id)
-                failed.append((seq, f"this stage's prefix cache holds {cached} of the {stage_start} tokens the "
-                                    "first stage reused"))
+                failed.append((seq, f"this stage holds {computed} of the {stage_start} tokens the first stage "
+                                    "reused (its prefix cache and the cache-store)"))
                 continue
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = seq.num_cached_tokens = self._start_load(seq, cached)
+            seq.num_computed_tokens = seq.num_cached_tokens = computed
             self.running.append(seq)
             num = min(seq.num_ready_tokens, budget)
             budget -= num

@@ -83,6 +83,11 @@ class LLMEngine(KvHandoff):
         _give_back_freed_memory()
         return engine
 
+    def block_namespace(self, layers: LayerRange) -> bytes:
+        """The block-hash namespace of `layers` of this engine's model in its KV format: what the pipeline stage
+        `layers` names its blocks by, here and in the cache-store."""
+        return self.runner.block_namespace(layers)
+
     def stage_engine(self, layers: LayerRange, kv_cache_bytes: int) -> LLMEngine:
         """An engine for the pipeline stage `layers` of this whole-model engine's model, sharing its weights, with a
         KV pool of its own of `kv_cache_bytes` (its layers only): what a prefill instance of a pipeline group runs
@@ -138,10 +143,12 @@ class LLMEngine(KvHandoff):
         if needed > held:  # it would wait for room forever, and every request behind it with it
             raise ValueError(f"the prompt needs {needed} KV blocks; this engine's KV pool holds {held}")
 
-    def add_stage_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, start: int) -> None:
+    def add_stage_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, start: int,
+                          prefix_source: PrefixSource | None = None) -> None:
         """Queue a prompt this pipeline stage continues from the stage before (`EngineConfig.stage`, not the first):
-        it computes tokens from `start` (the first stage reused those before it from its prefix cache; this stage
-        must hold them too) as their rows arrive (`add_stage_input`).
+        it computes tokens from `start` (the first stage reused those before it; this stage must hold them too, in
+        its prefix cache or loaded from `prefix_source`, else the request fails when admitted) as their rows arrive
+        (`add_stage_input`).
 
         Raises:
             ValueError: not a stage after the first, a start outside the prompt, or what `add_request` refuses.
@@ -149,7 +156,7 @@ class LLMEngine(KvHandoff):
         stage = self.config.stage
         if stage is None or stage.is_first:
             raise ValueError("only a pipeline stage after the first continues a prompt from hidden states")
-        self.add_request(request_id, prompt_ids, params)
+        self.add_request(request_id, prompt_ids, params, prefix_source)
         try:
             self._seqs[request_id].stage_input = StageInput(start, len(prompt_ids))
         except ValueError:

@@ -16,6 +16,7 @@ from kernels.backend import KernelBackend, select_backend
 from kernels.cpu_build import auto_cpu_kernels_error
 from kernels.layer_ops import cpu_layer_ops
 from shared.engine.batching import ScheduledChunk, StepPlan
+from shared.engine.block_hash import make_namespace
 from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
 from shared.engine.kv.factory import build_kv_store
@@ -68,6 +69,11 @@ class Runner(Protocol):
         with a KV store of its own."""
         ...
 
+    def block_namespace(self, layers: LayerRange) -> bytes:
+        """The block-hash namespace of the KV blocks of `layers` of this runner's model in its KV format (a stage's
+        blocks are never another stage's or the whole model's)."""
+        ...
+
 
 class ModelRunner:
     """Runs forward passes over the KV store `build_kv_store` makes of the config.
@@ -92,6 +98,7 @@ class ModelRunner:
         self.stage = config.stage or LayerRange.whole(checkpoint.config.num_layers)
         stage_config = self.stage.local_config(checkpoint.config)  # its KV store holds its layers alone
         self.checkpoint = dataclasses.replace(checkpoint, state_dict={})  # what another engine over its model needs
+        self.kv_format = config.kv_format
         self.model: Llama
         if model is not None:
             if model.stage != self.stage:
@@ -124,6 +131,9 @@ class ModelRunner:
     def for_stage(self, config: EngineConfig) -> ModelRunner:
         assert config.stage is not None
         return ModelRunner(self.checkpoint, config, model=self.model.stage_of(config.stage))
+
+    def block_namespace(self, layers: LayerRange) -> bytes:
+        return make_namespace(self.checkpoint.fingerprint, layers.block_format(self.kv_format))
 
     def execute(
         self, plan: StepPlan, block_tables: dict[str, list[int]], after_layer: LayerCallback | None = None,

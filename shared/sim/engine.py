@@ -81,9 +81,8 @@ class SimRunner:
         num_blocks = (kv_tokens or profile.kv_capacity_tokens) // config.block_size
         if num_blocks < 2:
             raise ValueError(f"profile {profile.name} leaves room for {num_blocks} KV blocks of {config.block_size}")
-        block_format = self.stage.block_format(sim_kv_format(config.kv_format, sized_codec))
-        namespace = make_namespace(fingerprint, block_format) if fingerprint else b""
-        blocks = BlockManager(num_blocks, config.block_size, namespace, on_block_event)
+        self.kv_format = config.kv_format
+        blocks = BlockManager(num_blocks, config.block_size, self.block_namespace(self.stage), on_block_event)
         self.store = SizedKvStore(self.stage_profile.model, blocks, config.kv_format, config.max_num_seqs,
                                   sized_codec=sized_codec)
         self.last_step_s = 0.0  # the predicted time of the last step
@@ -96,6 +95,11 @@ class SimRunner:
 
     def forget(self, request_id: str) -> None:
         self.store.release(request_id)
+
+    def block_namespace(self, layers: LayerRange) -> bytes:
+        if not self.fingerprint:
+            return b""
+        return make_namespace(self.fingerprint, layers.block_format(sim_kv_format(self.kv_format, self.sized_codec)))
 
     def for_stage(self, config: EngineConfig) -> SimRunner:
         """A runner for the pipeline stage `config.stage` of this whole model (its own KV, no block events)."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.engine.engine import LLMEngine, PrefilledRequest, RequestOutput
+from shared.engine.kv.prefix_load import PrefixLoad, PrefixSource
 from shared.engine.kv.store import PromptKv, PromptLayerKv
 from shared.engine.sequence import FinishReason
 from shared.model.cpu_linear import PackedLinear
@@ -29,8 +30,9 @@ class Pipeline:
     """Stage engines driven in turn, as the prefill instances of a group would be: each step of a stage hands the
     rows it computed to the next; every stage reads its layers' KV of a finished prompt as it lands."""
 
-    def __init__(self, stages: list[LLMEngine]) -> None:
+    def __init__(self, stages: list[LLMEngine], sources: dict[int, PrefixSource] | None = None) -> None:
         self.stages = stages
+        self.sources = sources or {}  # a later stage's (by index) load of the prefix the first stage reused
         self.kv: dict[str, dict[int, PromptLayerKv]] = {}  # request -> global layer -> KV
         self.num_steps = [0] * len(stages)
 
@@ -48,7 +50,8 @@ class Pipeline:
                         return out
                     following = self.stages[index + 1]
                     if out.request_id not in following._seqs:  # its first rows: the stage after starts it
-                        following.add_stage_request(request_id, prompt, GREEDY, out.num_cached_tokens)
+                        following.add_stage_request(request_id, prompt, GREEDY, out.num_cached_tokens,
+                                                    self.sources.get(index + 1))
                     assert out.stage_rows is not None
                     following.add_stage_input(request_id, out.stage_rows)
 
@@ -156,8 +159,36 @@ def test_a_stage_without_the_reused_prefix_fails_the_request(make_engine) -> Non
     prompt = _prompt(warm)
     Pipeline([warm, make_engine(stage=cold.config.stage, max_num_batched_tokens=CHUNK)]).run("r1", prompt)
     out = Pipeline([warm, cold]).run("r2", prompt)  # warm reuses the prompt's blocks; cold never saw them
-    assert out.finish_reason == FinishReason.ERROR and "prefix cache holds 0 of the" in out.error
+    assert out.finish_reason == FinishReason.ERROR and "this stage holds 0 of the" in out.error
+    assert "its prefix cache and the cache-store" in out.error
     assert not cold.has_unfinished() and not warm.has_unfinished()
+
+
+def test_a_stage_loads_the_reused_prefix_its_cache_lacks_and_answers_as_one_engine(make_engine) -> None:
+    """The first stage reuses a prefix its cache holds; the later stage, whose cache never saw it, loads its layers
+    of those blocks (here another engine's of the same stage, as the cache-store would give them) and the prompt
+    decodes as one engine's."""
+    whole = make_engine(max_num_batched_tokens=CHUNK)
+    prompt = _prompt(whole)
+    (expected,) = whole.generate([prompt], GREEDY)
+    ranges = split_layers(30, 2)
+    warm, sibling, cold = (make_engine(stage=r, max_num_batched_tokens=CHUNK) for r in (ranges[0], *ranges[1:] * 2))
+    first = Pipeline([warm, sibling]).run("r1", prompt)
+    assert first.finish_reason != FinishReason.ERROR
+    num_reused = warm.block_manager.num_reusable_tokens(prompt)
+    payloads = sibling.export_block_payloads("r1", 0, num_reused // sibling.config.block_size)
+    sibling.abort("r1")
+
+    def start(first_block: int, block_ids: list[int]) -> PrefixLoad:
+        load = PrefixLoad(cold.store, block_ids, first_block=first_block)
+        for i in range(len(block_ids)):
+            load.write(i, payloads[first_block + i])
+        return load
+
+    pipeline = Pipeline([warm, cold], {1: PrefixSource(num_reused, start)})
+    out = pipeline.run("r2", prompt)
+    assert out.finish_reason != FinishReason.ERROR and out.num_cached_tokens == num_reused > 0
+    assert _decode_rest(make_engine(), "r2", prompt, out, pipeline.prompt_kv("r2")) == expected.token_ids
 
 
 def test_stage_requests_are_checked(make_engine) -> None:

@@ -63,3 +63,20 @@ def test_three_stages_prefill_a_long_prompt_in_about_a_third_of_the_time(tmp_pat
     assert sorted(stored) == sorted([("trace-0", stage, 0, blocks) for stage in range(3)]
                                     + [(f"trace-{i}", stage, blocks // 2, blocks // 2)
                                        for i in range(1, 4) for stage in range(3)])
+
+
+def test_stages_load_a_prefix_their_caches_lost_from_the_cache_store(tmp_path: Path) -> None:
+    """Caches of 40k tokens: prompt 1 (another prefix) pushes prompt 0's prefix out of every stage's cache, so prompt
+    2, which shares it, starts after it only because every stage loads its own layers of it from the cache-store."""
+    half = PROMPT_TOKENS // 512 // 2
+    prefixes = [0, 10_000, 0]  # the first block id of each prompt's prefix: prompts 0 and 2 share theirs
+    lines = [{"timestamp": i * 1000, "input_length": PROMPT_TOKENS, "output_length": 8,
+              "hash_ids": list(range(p, p + half)) + list(range((i + 1) * 100 + 20_000, (i + 1) * 100 + 20_000 + half))}
+             for i, p in enumerate(prefixes)]
+    (tmp_path / "trace.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records, log = _run(tmp_path, "evicted", "--cpp-group", "3", "--env", "TSUKIMI_SIM_KV_TOKENS=40960")
+    assert [r.num_cached_tokens for r in records] == [0, 0, PROMPT_TOKENS // 2]
+    fetched = {line["instance"] for line in log
+               if line["event"] == "prefix fetched from the cache-store" and line["request_id"] == "trace-2"}
+    assert fetched == {"prefill-0", "prefill-1", "prefill-2"}
+    assert not [line for line in log if line["event"] == "pipeline prompt failed"]
