@@ -11,8 +11,8 @@ import jinja2
 
 from services.gateway.errors import bad_request
 from services.gateway.openai_api import ChatRequest, CompletionRequest, GenerationOptions
-from shared.engine.block_hash import block_hashes, make_namespace
 from shared.model.tokenizer import Tokenizer
+from shared.wire.block_hash import block_hashes, make_namespace
 from shared.wire.protocol import SamplingError, SamplingParams
 
 

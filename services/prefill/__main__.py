@@ -33,7 +33,8 @@ async def build(settings: EngineSettings, bus: Bus) -> PrefillService:
         if settings.instance_id not in group:
             raise ValueError(f"TSUKIMI_CPP_GROUP={','.join(group)} does not name this instance, {settings.instance_id}")
         layers = split_layers(engine.model_config.num_layers, len(group))[group.index(settings.instance_id)]
-        stage = PipelineStage(settings, bus, engine.stage_engine(layers, settings.cpp_kv_bytes), cache)
+        stage_engine = engine.stage_engine(layers, settings.cpp_kv_bytes, on_block_event=events.record)
+        stage = PipelineStage(settings, bus, stage_engine, cache)
     return PrefillService(settings, bus, engine, cache, events, stage)
 
 

@@ -21,10 +21,10 @@ from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
 from services.prefill.stage import PipelineStage
 from shared.config import EngineSettings
-from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv.prefix_load import PrefixSource
 from shared.engine.sequence import FinishReason, Sequence
+from shared.wire.block_hash import block_hashes
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.profile import PromptProfile, profile_parts
@@ -90,6 +90,7 @@ class PrefillService:
         self.host: EngineHost[tuple[RequestOutput, list[Payload] | None]] = EngineHost(engine)
         if stage is not None:  # its engine thread breaking breaks the instance too: it is restarted whole
             stage.host.broken = self.host.broken
+            stage.after_step = self._announce_events  # its prefix cache reports into this instance's KV events
         self._held: dict[str, _Held] = {}
         self._aborts: set[str] = set()
         self._heartbeat = HeartbeatSender(
@@ -161,6 +162,7 @@ class PrefillService:
             pipeline_group=list(self.settings.cpp_group) if stage else [],
             pipeline_min_tokens=self.settings.cpp_min_tokens if stage else 0,
             pipeline_row_bytes=stage.row_bytes if stage else 0,
+            pipeline_namespace=stage.namespace if stage else "",
         )
 
     async def handle_task(self, msg: PrefillTask) -> None:
@@ -226,7 +228,7 @@ class PrefillService:
 
     async def _lead_pipeline(self, held: _Held) -> None:
         """A long prompt runs on the pipeline group this instance leads: open its hand-off, then the stage has it
-        (the cache-store's prefix is not loaded into stages yet, nor are their blocks put there)."""
+        (the stages load their layers of a prefix from their caches and the cache-store themselves)."""
         task = held.task
         self._held.pop(task.request_id, None)
         if held.cancelled:
@@ -274,9 +276,14 @@ class PrefillService:
             if stats is not None and stats is not self._last_stats:
                 self._last_stats = stats
                 self.samples.add(stats)
+        self._announce_events()
+        return results, self.engine.has_unfinished()
+
+    def _announce_events(self) -> None:
+        """Any thread, after a step of the engine or of the pipeline stage (both record into `events`): publish
+        what their prefix caches changed."""
         if self.events.has_pending:
             self.host.loop.call_soon_threadsafe(self._flush_events)
-        return results, self.engine.has_unfinished()
 
     def _leave(self, out: RequestOutput) -> list[Payload] | None:
         """A prompt is done: take it out of the engine; returns its new full blocks for the cache-store."""

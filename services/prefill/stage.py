@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,11 +31,11 @@ from services.prefill.fetch import StoreLoader
 from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
 from shared.config import EngineSettings
-from shared.engine.block_hash import block_hashes
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
 from shared.engine.kv.prefix_load import PrefixSource
 from shared.engine.sequence import FinishReason, Sequence
 from shared.model.stages import LayerRange, split_layers
+from shared.wire.block_hash import block_hashes
 from shared.wire.bus import Bus, BusError
 from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.stage_rows import RowsAssembly, rows_parts
@@ -111,6 +112,7 @@ class PipelineStage:
         # Conductor's prefill cost model learns long prompts' late chunks from them, the pipeline's time too.
         self.samples = StepSamples()
         self._last_stats: StepStats | None = None
+        self.after_step: Callable[[], None] = lambda: None  # engine thread, after each step (the instance's KV events)
 
     @property
     def leads(self) -> bool:
@@ -122,6 +124,12 @@ class PipelineStage:
         """Bytes of one token's hidden-state row sent to the next stage, before coding (what the Conductor prices
         each boundary at)."""
         return self.engine.model_config.hidden_size * self.engine.config.torch_dtype.itemsize
+
+    @property
+    def namespace(self) -> str:
+        """The block-hash namespace of this stage's KV blocks, as text (the heartbeat's: the Conductor hashes a
+        prompt under it to find what this stage's prefix cache and the cache-store hold of its layers)."""
+        return self.engine.block_namespace(self.stage).decode()
 
     @property
     def request_ids(self) -> list[str]:
@@ -243,6 +251,7 @@ class PipelineStage:
                 self._export_blocks(out)
             if out.new_token_ids and not out.finished:  # the last stage's first token: its part is done
                 self.engine.abort(out.request_id)
+        self.after_step()
         return outputs, computed and self.engine.has_unfinished()
 
     def _export_blocks(self, out: RequestOutput) -> None:

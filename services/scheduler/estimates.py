@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.cost_model import DecodeCostModel, PrefillCostModel
 from services.scheduler.index import BlockIndex
+from shared.wire.block_hash import block_hashes
 from shared.wire.protocol import Heartbeat, SubmitRequest, attention_work
 
 DEFAULT_LINK_BYTES_PER_S = 300e6  # loopback NATS, measured by benchmarks/kv_transfer.py, until prefill reports its own
@@ -67,7 +68,8 @@ class ClusterView:
     balance_ratio: float
     now: float = field(default_factory=time.time)
     max_batched_tokens: int = 2048  # a step's token budget (TSUKIMI_MAX_BATCHED_TOKENS): a prefill chunk's most
-    pipelines: dict[str, int] = field(default_factory=dict)  # first stages that would run this prompt: their stages
+    # First stages that would run this prompt: their groups' heartbeats, first stage first.
+    pipelines: dict[str, list[Heartbeat]] = field(default_factory=dict)
 
     # ---- prefill ------------------------------------------------------------------------------------------------
 
@@ -75,17 +77,17 @@ class ClusterView:
         """The view a prompt of `num_tokens` is placed in: one long enough for a pipeline group
         (`Heartbeat.pipeline_group`) runs on it from its first stage, so, while that one is alive, the group's other
         instances are no option for it (shorter prompts run whole on any instance)."""
-        alive = {b.instance_id for b in self.prefills}
+        beats = {b.instance_id: b for b in self.prefills}
 
         def is_later_stage(beat: Heartbeat) -> bool:
             group = beat.pipeline_group
-            return bool(group) and group[0] != beat.instance_id and group[0] in alive and (
+            return bool(group) and group[0] != beat.instance_id and group[0] in beats and (
                 num_tokens >= beat.pipeline_min_tokens)
 
         prefills = [b for b in self.prefills if not is_later_stage(b)]
-        pipelines = {b.instance_id: len(b.pipeline_group) for b in prefills
+        pipelines = {b.instance_id: [beats[i] for i in b.pipeline_group] for b in prefills
                      if b.pipeline_group and b.pipeline_group[0] == b.instance_id
-                     and num_tokens >= b.pipeline_min_tokens and alive.issuperset(b.pipeline_group)}
+                     and num_tokens >= b.pipeline_min_tokens and set(beats).issuperset(b.pipeline_group)}
         if len(prefills) == len(self.prefills) and pipelines == self.pipelines:
             return self
         return dataclasses.replace(self, prefills=prefills, pipelines=pipelines)
@@ -110,7 +112,7 @@ class ClusterView:
         longer than the local one (DESIGN section 5), which also replicates a hot prefix onto this instance. On the
         first stage of a pipeline group that would run the prompt (`for_prompt`), the group's time instead."""
         if beat.instance_id in self.pipelines:
-            return self._pipeline_option(beat, request, self.pipelines[beat.instance_id])
+            return self._pipeline_option(beat, request, self.pipelines[beat.instance_id], use_pool)
         hashes = request.block_hashes
         usable = hashes[: max(len(request.prompt_ids) - 1, 0) // self.block_size]  # the last token is computed
         local = self.index.prefix_len(beat.instance_id, usable)
@@ -123,18 +125,32 @@ class ClusterView:
         wait = self._wait_s(beat, len(request.prompt_ids), reused, compute)
         return PrefillOption(beat.instance_id, local, pool, fetch, wait, compute, fetch_bytes / rate)
 
-    def _pipeline_option(self, beat: Heartbeat, request: SubmitRequest, num_stages: int) -> PrefillOption:
+    def _pipeline_option(self, beat: Heartbeat, request: SubmitRequest, stages: list[Heartbeat],
+                         use_pool: bool) -> PrefillOption:
         """TTFT on the pipeline group `beat` leads: the prompts it already leads first (each until its predicted first
         token: the group computes them in order), then its chunks through the stages, their hidden states crossing
         each boundary at the rate the instance measures from the cache-store (the same network; a default before it
-        has measured one). The stages' own prefix caches are not in the index, so nothing counts as reused (the
-        stages may still find some)."""
+        has measured one). It starts after the prefix the first stage will reuse, as `PipelineStage` decides: its own
+        cache's, or, when longer, the longest prefix the cache-store holds for every stage's layers, each stage then
+        fetching its own layers of it at once (the index knows each stage's blocks by its namespace)."""
+        size = self.block_size
+        usable = max(len(request.prompt_ids) - 1, 0) // size
+        local = pool = 0
+        if all(s.pipeline_namespace for s in stages):
+            hashes = [block_hashes(request.prompt_ids[: usable * size], size, s.pipeline_namespace.encode())
+                      for s in stages]
+            local = self.index.prefix_len(beat.instance_id, hashes[0])
+            if use_pool:
+                pool = min(self.index.pool_prefix_len(self.store_ids, h) for h in hashes)
+        fetch = pool > local
+        reused = (pool if fetch else local) * size
         rate = beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S
-        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), 0, num_stages, self.max_batched_tokens,
+        fetch_s = (pool - local) * beat.block_bytes / len(stages) / rate if fetch else 0.0
+        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), reused, len(stages), self.max_batched_tokens,
                                                beat.pipeline_row_bytes / rate)
         ahead = [t.decode_start for t in self.tracked.values() if t.prefill_id == beat.instance_id and t.num_stages > 1]
         wait = max(max(ahead, default=self.now) - self.now, 0.0)
-        return PrefillOption(beat.instance_id, 0, 0, False, wait, compute, 0.0, num_stages)
+        return PrefillOption(beat.instance_id, local, pool, fetch, wait, compute, fetch_s, len(stages))
 
     def _wait_s(self, beat: Heartbeat, num_tokens: int, num_reused: int, compute_s: float) -> float:
         """What a prompt waits beyond its own compute. Prefill runs FIFO steps of the token budget, and a prompt's first

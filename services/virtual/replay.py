@@ -25,7 +25,7 @@ from services.gateway.prompt import PromptBuilder
 from services.gateway.session import Deadlines, Session
 from services.virtual.cluster import VirtualCluster
 from shared.config import GatewaySettings, load_role_settings
-from shared.engine.block_hash import block_hashes
+from shared.wire.block_hash import block_hashes
 from shared.wire.protocol import SamplingParams, SubmitRequest
 
 GATEWAY_NODE = "gateway"

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from shared.engine.block_hash import block_hashes
+from shared.wire.block_hash import block_hashes
 
 if TYPE_CHECKING:
     from shared.engine.blocks import _Seq

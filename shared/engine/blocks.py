@@ -1,5 +1,5 @@
 """The paged block manager; the prefix-cache index it registers blocks in is `shared.engine.prefix_index`'s, under the
-chained block hash of `shared.engine.block_hash`.
+chained block hash of `shared.wire.block_hash`.
 
 Owns block ids, the sequences' block tables, reference counts, the free list and the raw blocks; the index, its LRU and
 the events that report the index's changes are the `PrefixIndex`'s. Owns no tensors (no torch here).
@@ -13,8 +13,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.block_checks import InvariantChecks
-from shared.engine.block_hash import u32_tokens
 from shared.engine.prefix_index import BlockEventHook, PrefixIndex
+from shared.wire.block_hash import u32_tokens
 
 __all__ = ["BlockEventHook", "BlockManager", "BlockStats", "OutOfBlocks"]
 

@@ -88,10 +88,13 @@ class LLMEngine(KvHandoff):
         `layers` names its blocks by, here and in the cache-store."""
         return self.runner.block_namespace(layers)
 
-    def stage_engine(self, layers: LayerRange, kv_cache_bytes: int) -> LLMEngine:
+    def stage_engine(
+        self, layers: LayerRange, kv_cache_bytes: int, on_block_event: BlockEventHook | None = None
+    ) -> LLMEngine:
         """An engine for the pipeline stage `layers` of this whole-model engine's model, sharing its weights, with a
         KV pool of its own of `kv_cache_bytes` (its layers only): what a prefill instance of a pipeline group runs
-        long prompts on.
+        long prompts on. `on_block_event` hears its prefix cache's changes (block ids of the stage's namespace,
+        `block_namespace(layers)`), as the whole engine's hook does.
 
         Raises:
             ValueError: this engine is a stage itself, or its config refuses stages (a KV codec, FastGen).
@@ -99,7 +102,7 @@ class LLMEngine(KvHandoff):
         if self.config.stage is not None:
             raise ValueError("a pipeline stage is taken of a whole-model engine, not of a stage")
         config = dataclasses.replace(self.config, stage=layers, kv_cache_bytes=kv_cache_bytes)
-        return LLMEngine(self._checkpoint, config, self.runner.for_stage(config))
+        return LLMEngine(self._checkpoint, config, self.runner.for_stage(config, on_block_event))
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix_source: PrefixSource | None = None

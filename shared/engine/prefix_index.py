@@ -1,5 +1,5 @@
 """The prefix-cache index of the paged block manager (`shared.engine.blocks`): which block holds the KV of which chained
-block hash (`shared.engine.block_hash`'s).
+block hash (`shared.wire.block_hash`'s).
 
 Owns the registrations (block hash -> block id, each registered block's hash and tokens), the evictable LRU of
 registered blocks no sequence references, the live private copies that take a registration over, the eviction count
@@ -13,7 +13,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from shared.engine.block_hash import chain_hashes
+from shared.wire.block_hash import chain_hashes
 from shared.wire.protocol.messages import REMOVED, STORED  # the index's event kinds are the KvEvent kinds
 
 __all__ = ["BlockEventHook", "PrefixIndex"]

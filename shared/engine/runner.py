@@ -16,7 +16,6 @@ from kernels.backend import KernelBackend, select_backend
 from kernels.cpu_build import auto_cpu_kernels_error
 from kernels.layer_ops import cpu_layer_ops
 from shared.engine.batching import ScheduledChunk, StepPlan
-from shared.engine.block_hash import make_namespace
 from shared.engine.blocks import BlockEventHook
 from shared.engine.config import EngineConfig
 from shared.engine.kv.factory import build_kv_store
@@ -26,6 +25,7 @@ from shared.engine.sequence import Sequence
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import Llama, build_dummy_model, build_model, use_layer_ops
 from shared.model.stages import LayerRange
+from shared.wire.block_hash import make_namespace
 from shared.wire.log import get_logger
 
 log = get_logger(__name__)
@@ -64,9 +64,9 @@ class Runner(Protocol):
         """A step of a pipeline stage before the last: each chunk's output rows by request id."""
         ...
 
-    def for_stage(self, config: EngineConfig) -> Runner:
+    def for_stage(self, config: EngineConfig, on_block_event: BlockEventHook | None = None) -> Runner:
         """A runner for the pipeline stage `config.stage` of this whole-model runner's model (sharing its weights),
-        with a KV store of its own."""
+        with a KV store of its own, whose prefix cache's changes `on_block_event` hears."""
         ...
 
     def block_namespace(self, layers: LayerRange) -> bytes:
@@ -128,9 +128,9 @@ class ModelRunner:
     def max_num_seqs(self) -> int:
         return self.store.max_num_seqs
 
-    def for_stage(self, config: EngineConfig) -> ModelRunner:
+    def for_stage(self, config: EngineConfig, on_block_event: BlockEventHook | None = None) -> ModelRunner:
         assert config.stage is not None
-        return ModelRunner(self.checkpoint, config, model=self.model.stage_of(config.stage))
+        return ModelRunner(self.checkpoint, config, on_block_event, model=self.model.stage_of(config.stage))
 
     def block_namespace(self, layers: LayerRange) -> bytes:
         return make_namespace(self.checkpoint.fingerprint, layers.block_format(self.kv_format))

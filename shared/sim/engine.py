@@ -16,7 +16,6 @@ import time
 import torch
 
 from shared.engine.batching import StepPlan
-from shared.engine.block_hash import make_namespace
 from shared.engine.blocks import BlockEventHook, BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -27,6 +26,7 @@ from shared.model.stages import LayerRange
 from shared.sim.cost import StepWork, step_time
 from shared.sim.manifest import sim_kv_format, sim_manifest
 from shared.sim.profiles import SimProfile, get_profile
+from shared.wire.block_hash import make_namespace
 
 SIM_WORD = " sim"  # what every simulated token decodes to
 # A step that starts within this long of the previous one's end continues a busy engine: the host's own time between
@@ -101,9 +101,9 @@ class SimRunner:
             return b""
         return make_namespace(self.fingerprint, layers.block_format(sim_kv_format(self.kv_format, self.sized_codec)))
 
-    def for_stage(self, config: EngineConfig) -> SimRunner:
-        """A runner for the pipeline stage `config.stage` of this whole model (its own KV, no block events)."""
-        return SimRunner(self.profile, config, self.token_id, self.fingerprint, None, self.sized_codec,
+    def for_stage(self, config: EngineConfig, on_block_event: BlockEventHook | None = None) -> SimRunner:
+        """A runner for the pipeline stage `config.stage` of this whole model (its own KV, its own block events)."""
+        return SimRunner(self.profile, config, self.token_id, self.fingerprint, on_block_event, self.sized_codec,
                          self.kv_tokens)
 
     def execute(

@@ -46,6 +46,7 @@ class Load:
     pipeline_group: list[str] = field(default_factory=list)
     pipeline_min_tokens: int = 0
     pipeline_row_bytes: int = 0
+    pipeline_namespace: str = ""
 
 
 _LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Load))

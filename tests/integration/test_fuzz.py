@@ -18,9 +18,9 @@ import msgpack
 import pytest
 import torch
 
-from shared.engine.block_hash import block_hashes
 from shared.engine.kv.paged.store import prompt_layer_of
 from shared.engine.kv.store import BlockFormat
+from shared.wire.block_hash import block_hashes
 from shared.wire.bus import Bus
 from shared.wire.cache_client import split_block
 from shared.wire.handoff.prompt import chunk_prompt_layer

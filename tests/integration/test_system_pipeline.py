@@ -1,8 +1,8 @@
 """Chunked pipeline parallelism through the real services (issue 22): `tsukimi up --prefill 2 --cpp-group 2` with the
 real model. A prompt of a few thousand tokens is computed by both prefill instances as two stages (layers 0-14 and
 15-29), chunk after chunk, its KV reaching decode from both and each stage's layers of its blocks reaching the
-cache-store, and the answer is one engine's; a short prompt runs
-whole on one instance; each stage's log names the request and what it computed; a stage killed mid-prompt fails that
+cache-store, and the answer is one engine's; the scheduler knows the stages' caches; a short prompt runs whole on one
+instance; each stage's log names the request and what it computed; a stage killed mid-prompt fails that
 request with a clear 503 while a request beside it is served."""
 
 from __future__ import annotations
@@ -89,6 +89,13 @@ def test_a_long_prompt_runs_on_both_stages_and_answers_as_one_engine(system: Sys
     for instance in ("prefill-0", "prefill-1"):  # each stage's layers of the prompt's blocks, off the critical path
         stored = _wait_for_event(system, instance, request_id, "pipeline blocks stored")
         assert stored["first_block"] == 0 and stored["blocks"] == stored["of"] == len(ids) // block_size
+    # The stages' prefix caches report into their instances' KV events under each stage's namespace: the scheduler
+    # predicts the same prompt, grown, from the blocks the first stage holds.
+    status, again = _complete(system, prompt + _text(1_000, offset=8_000), 4)
+    assert status == 200, again
+    (placed,) = [line for line in _log_lines(system, "scheduler-0", again["id"].removeprefix("cmpl-"))
+                 if line["event"] == "placed"]
+    assert placed["pipeline_stages"] == 2 and placed["reused_blocks"] >= len(ids) // block_size - 1
 
 
 def test_a_short_prompt_runs_whole_on_one_instance(system: System) -> None:

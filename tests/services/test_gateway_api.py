@@ -12,7 +12,7 @@ import structlog
 from gateway_fakes import KV_CODEC, MESSAGES, MODEL, FakeBackend, answering, serving, sse_payloads, token_events
 
 from services.gateway.openai_api import DEFAULT_MAX_TOKENS
-from shared.engine.block_hash import block_hashes, make_namespace
+from shared.wire.block_hash import block_hashes, make_namespace
 from shared.wire.protocol import Heartbeat, StreamEvent, SubmitReply, SubmitRequest, is_valid_request_id
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.prefill.measure import MovingRate, StepSamples
-from shared.engine.block_hash import block_hashes, make_namespace
 from shared.engine.blocks import BlockManager
 from shared.engine.engine import StepStats
+from shared.wire.block_hash import block_hashes, make_namespace
 from shared.wire.kv_events import KvEventLog
 from shared.wire.protocol.messages import REMOVED, STORED
 

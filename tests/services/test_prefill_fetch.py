@@ -17,11 +17,11 @@ import torch
 
 from services.prefill.service import PrefillService
 from shared.config import load_settings
-from shared.engine.block_hash import block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.kv.paged.store import tensor_of
 from shared.engine.kv.store import PromptKv
+from shared.wire.block_hash import block_hashes
 from shared.wire.bus import Bus
 from shared.wire.cache_client import CacheClient
 from shared.wire.handoff.prompt import KvAssembly, assemble_prompt

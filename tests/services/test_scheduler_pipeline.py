@@ -10,14 +10,16 @@ import time
 import pytest
 from test_scheduler import _beat, _cluster, _service, _submit
 
-from shared.wire.protocol import Heartbeat, ProtocolError, Role, decode, encode
+from shared.wire.block_hash import block_hashes
+from shared.wire.protocol import Heartbeat, KvEvent, ProtocolError, Role, decode, encode
 
 GROUP = ["p0", "p1"]
 
 
 def _member(instance: str, queued: int = 0) -> Heartbeat:
+    namespace = f"tsukimi/v1|0123456789abcdef|bf16@{instance}"  # its stage's block ids differ from the others'
     return dataclasses.replace(_beat(instance, Role.PREFILL, queued=queued), pipeline_group=GROUP,
-                               pipeline_min_tokens=1000)
+                               pipeline_min_tokens=1000, pipeline_namespace=namespace)
 
 
 async def test_long_prompts_start_at_the_first_stage_and_short_ones_go_anywhere() -> None:
@@ -48,7 +50,7 @@ async def test_a_long_prompt_on_a_group_is_predicted_through_the_pipeline() -> N
     scheduler, _, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_MAX_BATCHED_TOKENS="512")
     await _cluster(scheduler, _member("p0"), _member("p1"), _beat("d0", Role.DECODE))
     view = scheduler.view().for_prompt(3000)
-    assert view.pipelines == {"p0": 2}
+    assert {lead: [b.instance_id for b in group] for lead, group in view.pipelines.items()} == {"p0": GROUP}
     option = view.prefill_option(view.prefills[0], _submit("long", 3000), use_pool=True)
     cost = view.prefill_cost
     chunks = [cost.predict(min(start + 512, 3000), start) for start in range(0, 3000, 512)]
@@ -93,3 +95,30 @@ async def test_the_hidden_states_crossing_a_boundary_are_priced_at_the_measured_
         assert option.compute_s == pytest.approx(no_link + crossings[-1]) and crossings[-1] < 0.001
     else:
         assert option.compute_s > 2 * no_link  # 2.9 s of crossings for 3000 rows of 1,152 bytes
+
+
+async def test_a_pipelined_prompt_reuses_what_every_stage_holds_under_its_own_namespace() -> None:
+    """The index knows each stage's blocks by the namespace its heartbeat names: the first stage's own cache is
+    reused; a longer prefix in the cache-store counts only as far as the store holds it for every stage, fetched by
+    the stages side by side; blocks under the whole model's namespace count for nothing."""
+    scheduler, bus, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_MAX_BATCHED_TOKENS="512")
+    p0, p1 = _member("p0"), _member("p1")
+    await _cluster(scheduler, p0, p1, _beat("d0", Role.DECODE), _beat("c0", Role.CACHE_STORE))
+    request = _submit("long", 3000, hashes=list(range(1000, 1046)))
+    size = scheduler.view().block_size
+    stage0, stage1 = (block_hashes(request.prompt_ids, size, b.pipeline_namespace.encode()) for b in (p0, p1))
+    view = scheduler.view().for_prompt(3000)
+    cold = view.prefill_option(view.prefills[0], request, use_pool=True)
+    await scheduler.handle_kv_event(KvEvent("c0", 1, 0, "stored", request.block_hashes))  # the whole model's: unused
+    await scheduler.handle_kv_event(KvEvent("p0", 1, 0, "stored", stage0[:10]))
+    await scheduler.handle_kv_event(KvEvent("c0", 1, 1, "stored", stage0[:30] + stage1[:20]))
+    view = scheduler.view().for_prompt(3000)
+    option = view.prefill_option(view.prefills[0], request, use_pool=True)
+    assert (option.num_local_blocks, option.num_pool_blocks, option.fetch_from_pool) == (10, 20, True)
+    assert option.compute_s == pytest.approx(view.prefill_cost.pipeline_s(3000, 20 * size, 2, 512))
+    assert option.fetch_s == pytest.approx(10 * p0.block_bytes / 2 / 300e6)
+    assert option.compute_s < 0.8 * cold.compute_s
+    local_only = view.prefill_option(view.prefills[0], request, use_pool=False)
+    assert (local_only.num_reused_blocks, local_only.fetch_s) == (10, 0.0)
+    reply = await scheduler.handle_submit(request)
+    assert reply.accepted and scheduler.tracked["long"].num_new_tokens == 3000 - 20 * size

@@ -1,4 +1,4 @@
-"""The chained block hash of shared/engine/block_hash.py against raw xxhash, and the spec's worked example."""
+"""The chained block hash of shared/wire/block_hash.py against raw xxhash, and the spec's worked example."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.block_hash import block_hashes, hash_block, make_namespace
+from shared.wire.block_hash import block_hashes, hash_block, make_namespace
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "block-hash.md"
 NS = make_namespace("test-model", "fp16")

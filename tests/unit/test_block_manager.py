@@ -7,8 +7,8 @@ from collections.abc import Hashable, Sequence
 import pytest
 from block_probes import observable
 
-from shared.engine.block_hash import block_hashes, make_namespace
 from shared.engine.blocks import BlockManager, OutOfBlocks
+from shared.wire.block_hash import block_hashes, make_namespace
 
 NS = make_namespace("test-model", "fp16")
 

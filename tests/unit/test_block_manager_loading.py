@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.block_hash import block_hashes, make_namespace
 from shared.engine.blocks import BlockManager
+from shared.wire.block_hash import block_hashes, make_namespace
 from shared.wire.protocol.messages import REMOVED, STORED
 
 NS = make_namespace("test-model", "fp16")

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shared.engine.block_hash import make_namespace
 from shared.engine.blocks import BlockManager, OutOfBlocks
+from shared.wire.block_hash import make_namespace
 from shared.wire.protocol.messages import STORED
 
 NS = make_namespace("test-model", "fp16")

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from kernels.backend import KernelBackend
-from shared.engine.block_hash import make_namespace
 from shared.engine.blocks import BlockEventHook, BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.kv.codec.pool import CodecKvPool
@@ -20,6 +19,7 @@ from shared.fastgen.token_classes import TokenClasses
 from shared.kvcompress import layer_codecs, load_calibration
 from shared.model.checkpoint import Checkpoint
 from shared.model.llama import RotaryEmbedding
+from shared.wire.block_hash import make_namespace
 
 
 def build_kv_store(

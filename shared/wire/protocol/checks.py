@@ -43,6 +43,7 @@ U64 = 1 << 64
 MAX_PARTS = 1 << 20  # chunks or parts of one transfer: far beyond any prompt, small enough to count through
 KV_EVENT_KINDS = (STORED, REMOVED, CLEARED)
 TAG_BYTES = 16  # a block part's tag (shared.wire.block_integrity)
+MAX_NAMESPACE_CHARS = 256  # a block-hash namespace: "tsukimi/v1|<fingerprint>|<KV format>"
 
 
 def _require(condition: bool, kind: str, what: str) -> None:
@@ -202,6 +203,9 @@ def _heartbeat(msg: Heartbeat) -> None:
     group = msg.pipeline_group
     _require(not group or (len(set(group)) == len(group) > 1 and msg.instance_id in group), msg.KIND,
              "a pipeline group of fewer than two distinct instances, or not its sender's")
+    namespace = msg.pipeline_namespace
+    _require(len(namespace) <= MAX_NAMESPACE_CHARS and namespace.isascii() and namespace.isprintable(), msg.KIND,
+             f"a pipeline namespace that is not at most {MAX_NAMESPACE_CHARS} printable ASCII characters")
     ok = all(len(s) == 3 and all(math.isfinite(v) and v >= 0 for v in s) for s in msg.samples)
     _require(ok, msg.KIND, "a step sample that is not three finite, non-negative numbers")
 

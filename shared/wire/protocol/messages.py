@@ -145,7 +145,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 7
+    VERSION: ClassVar[int] = 8
 
     instance_id: str
     role: str
@@ -179,10 +179,13 @@ class Heartbeat(Message):
     max_num_seqs: int = 0  # prefill and decode: the most sequences a step runs (0: not reported)
     # Prefill in a pipeline group (`TSUKIMI_CPP_GROUP`): the group's instances, first stage first, and the prompt
     # tokens to compute from which the first stage runs a prompt on the group (empty, 0: in no group); the bytes
-    # of one token's hidden-state row that crosses each boundary between stages (before coding).
+    # of one token's hidden-state row that crosses each boundary between stages (before coding); the block-hash
+    # namespace of its stage's KV blocks (`shared.wire.block_hash.make_namespace`, as text), under which its stage's
+    # prefix cache and the cache-store's copies of its layers are in the KV events.
     pipeline_group: list[str] = field(default_factory=list)
     pipeline_min_tokens: int = 0
     pipeline_row_bytes: int = 0
+    pipeline_namespace: str = ""
 
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"  # the kinds of KvEvent
