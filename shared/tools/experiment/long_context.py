@@ -35,6 +35,10 @@ OUTPUT_TOKENS = 512
 REUSE = 0.5  # the share of each prompt that is a prefix seen before
 NUM_PREFIXES = 4  # the shared prefixes, each first computed by one request, then reused by the others
 TTFT_FACTOR, TBT_FACTOR = 10.0, 5.0  # the limits: P90 TTFT <= 10x and P90 TBT <= 5x the single-request values
+# The gateway's silence timeout in a run (its default, TSUKIMI_REQUEST_TIMEOUT_S, is 300 s): 4x the P90 TTFT limit, so
+# a prompt that queues longer than the limit is a slow request, not a lost one (128k's limit is 302 s).
+DEFAULT_SILENCE_S = 300.0
+SILENCE_FACTOR = 4.0
 PAPER_GAIN = (1.50, 6.25)  # Mooncake [3P+1D] / vLLM [4M] across the four lengths: +50% to +525% (arXiv v1, Fig. 12)
 
 
@@ -212,7 +216,8 @@ def run_long_context(config: LongContextConfig, say: Callable[[str], None]) -> d
 
         def measure(rate: float) -> Point:
             name = f"{_slug(search.system.name)}-{search.length}-{rate:.4f}"
-            records, wall_s = _run(config, search.system, trace, config.num_requests, 1.0 / rate, name)
+            silence_s = max(DEFAULT_SILENCE_S, SILENCE_FACTOR * limits[search.length].max_ttft_s)
+            records, wall_s = _run(config, search.system, trace, config.num_requests, 1.0 / rate, name, silence_s)
             p = point(rate, records, limits[search.length], wall_s)
             say(f"{search.system.name}, {search.length} tokens, {rate:.3f} req/s: P90 TTFT {p.p90_ttft_s:.2f} s, "
                 f"P90 TBT {p.p90_tbt_s * 1000:.0f} ms{f', {p.num_failed} failed' if p.num_failed else ''} -> "
@@ -228,12 +233,14 @@ def run_long_context(config: LongContextConfig, say: Callable[[str], None]) -> d
 
 
 def _run(config: LongContextConfig, system: System, trace: Path, num_requests: int, time_scale: float,
-         name: str) -> tuple[list[RequestRecord], float]:
+         name: str, silence_s: float = DEFAULT_SILENCE_S) -> tuple[list[RequestRecord], float]:
+    """One virtual run; the gateway gives a request up after `silence_s` without an event (a prompt queued at
+    prefill has none until its first token)."""
+    env = {"TSUKIMI_REJECTION": "off", "TSUKIMI_REQUEST_TIMEOUT_S": f"{silence_s:g}"}
     run = VirtualRun(
         trace=trace, num_requests=num_requests, time_scale=time_scale, profile=config.profile,
         prefill=system.prefill, decode=system.decode, cache_stores=system.prefill or system.colocated,
-        colocated=system.colocated, env={"TSUKIMI_REJECTION": "off"}, log_dir=config.out_dir / "runs" / name,
-        cpp_group=system.cpp_group,
+        colocated=system.colocated, env=env, log_dir=config.out_dir / "runs" / name, cpp_group=system.cpp_group,
     )
     (outcome,) = run_virtual_runs([run], 1, lambda index, outcome: None)
     _check(outcome, run)
