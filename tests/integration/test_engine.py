@@ -11,6 +11,7 @@ from shared.engine.sequence import FinishReason
 from shared.wire.protocol import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+BF16_LOGIT_TOLERANCE = 1.0  # logits of bf16 engines on other kernels differ by this much at most (measured: 0.375)
 STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his father had "
     "taught him, and lit the great lamp that warned ships away from the rocks. "
@@ -169,20 +170,31 @@ def test_a_prompt_larger_than_the_whole_pool_is_refused_not_queued_forever(make_
 def test_the_cpu_kernels_compute_in_bf16_what_the_references_compute(checkpoint, make_engine):
     """bf16 on the C++ kernels (layer ops, prompts' attention over their own k, v, decode attention) against the same
     engine on the PyTorch references: the prompts' next-token logits agree within bf16's rounding, and the greedy
-    continuations are the same."""
+    continuations are the same up to a near-tie: where they part, the token the kernels chose is within that rounding
+    of the best one for the references, given the same text before it (as vLLM's `check_logprobs_close` allows)."""
     prompts = [checkpoint.tokenizer.encode(f"Story {i}: {STORY}") for i in range(3)]  # alike: one attention call
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engines = {kernels: make_engine(dtype="bf16", kernels=kernels) for kernels in ("cpu", "torch")}
 
-    def first_logits_and_tokens(kernels: str) -> tuple[torch.Tensor, list[list[int]]]:
-        engine = make_engine(dtype="bf16", kernels=kernels)
-        model, logits = engine.runner.model, []
+    def logits_and_tokens(kernels: str, texts: list[list[int]], max_tokens: int
+                          ) -> tuple[list[torch.Tensor], list[list[int]]]:
+        model, logits = engines[kernels].runner.model, []
         compute_logits = model.compute_logits
         model.compute_logits = lambda hidden: logits.append(compute_logits(hidden).float()) or logits[-1]
-        tokens = [c.token_ids for c in engine.generate(prompts, params)]
-        return logits[0], tokens
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            return logits, [c.token_ids for c in engines[kernels].generate(texts, params)]
+        finally:
+            model.compute_logits = compute_logits
 
-    results = {kernels: first_logits_and_tokens(kernels) for kernels in ("cpu", "torch")}
-    (ours, our_tokens), (reference, reference_tokens) = results["cpu"], results["torch"]
+    (ours, *_), our_tokens = logits_and_tokens("cpu", prompts, 8)
+    (reference, *_), reference_tokens = logits_and_tokens("torch", prompts, 8)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-    assert (ours - reference).abs().max() < 1.0, (ours - reference).abs().max()  # measured: 0.375
-    assert our_tokens == reference_tokens
+    assert (ours - reference).abs().max() < BF16_LOGIT_TOLERANCE, (ours - reference).abs().max()  # measured: 0.375
+    for prompt, mine, theirs in zip(prompts, our_tokens, reference_tokens, strict=True):
+        parted = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+        if parted is None:
+            continue
+        (logits, *_), _ = logits_and_tokens("torch", [prompt + mine[:parted]], 1)
+        gap = float(logits[0].max() - logits[0, mine[parted]])
+        assert gap < BF16_LOGIT_TOLERANCE, f"the kernels chose token {mine[parted]} at step {parted}, {gap:.3f} " \
+                                           "below the references' best"
