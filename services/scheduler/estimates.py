@@ -14,6 +14,8 @@ from services.scheduler.index import BlockIndex
 from shared.wire.block_hash import block_hashes
 from shared.wire.protocol import Heartbeat, SubmitRequest, attention_work
 
+# A task placed this long before a heartbeat left may not have reached the instance yet (NATS delivery under load).
+DELIVERY_GRACE_S = 1.0
 DEFAULT_LINK_BYTES_PER_S = 300e6  # loopback NATS, measured by benchmarks/kv_transfer.py, until prefill reports its own
 
 
@@ -97,7 +99,7 @@ class ClusterView:
         prompt part-computed, what is left of it) plus what was placed there since (not in the heartbeat yet)."""
         tokens, work = beat.num_queued_tokens, beat.queued_attention_work
         for t in self.tracked.values():
-            if t.prefill_id == beat.instance_id and t.placed_at > beat.sent_at and t.num_stages == 1:
+            if t.prefill_id == beat.instance_id and _unreported(t, beat) and t.num_stages == 1:
                 tokens += t.num_new_tokens
                 work += attention_work(t.num_tokens, t.num_tokens - t.num_new_tokens)
         return tokens, work
@@ -175,7 +177,7 @@ class ClusterView:
         """Sequences on this decode instance: now (heartbeat plus placements since), or predicted at `at_time`, when
         requests now decoding may have finished (Mooncake's prediction-based early rejection)."""
         mine = [t for t in self.tracked.values() if t.decode_id == beat.instance_id]
-        since = sum(1 for t in mine if t.placed_at > beat.sent_at)
+        since = sum(1 for t in mine if _unreported(t, beat))
         now_count = beat.num_running + beat.num_waiting + since
         if at_time is None:
             return now_count
@@ -192,7 +194,7 @@ class ClusterView:
         """Prompt tokens waiting to be computed on this decode instance itself: what its heartbeat reports, plus the
         prompts placed there since."""
         since = sum(t.num_tokens for t in self.tracked.values()
-                    if t.prefill_id == t.decode_id == beat.instance_id and t.placed_at > beat.sent_at)
+                    if t.prefill_id == t.decode_id == beat.instance_id and _unreported(t, beat))
         return beat.num_queued_tokens + since
 
     def interleaved_step_s(self, beat: Heartbeat, at_time: float | None, extra_tokens: int,
@@ -221,3 +223,10 @@ class ClusterView:
         """The instance's batch has room for one more sequence (now, or at `at_time`); without one the request would
         wait there for a sequence to finish."""
         return not beat.max_num_seqs or self.decode_batch(beat, at_time) < beat.max_num_seqs
+
+
+def _unreported(tracked: Tracked, beat: Heartbeat) -> bool:
+    """A placement on `beat`'s instance that the heartbeat cannot show: placed after it left, or shortly before and
+    not among the requests it lists (the task was still on its way; a request it lists is in its figures already)."""
+    return tracked.placed_at > beat.sent_at or (
+        tracked.placed_at > beat.sent_at - DELIVERY_GRACE_S and tracked.request_id not in beat.request_ids)

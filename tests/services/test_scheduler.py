@@ -220,3 +220,19 @@ async def test_a_lost_decode_fails_what_was_bound_for_it_even_between_heartbeats
     failed = [m.request_id for _, m in bus.published if isinstance(m, StreamEvent)]
     cancels = [m.request_id for s, m in bus.published if s == bus.subjects.cancel]
     assert failed == ["in-flight"] and cancels == ["in-flight"]
+
+
+async def test_a_task_still_on_its_way_counts_in_the_queue_of_a_beat_sent_after_its_placement() -> None:
+    """A heartbeat that left just after a placement, before the task reached the instance, shows neither the request
+    nor its tokens: the placement still counts in that instance's queue; once a beat lists the request, its own
+    figures count it, not twice."""
+    scheduler, _, _ = _service(TSUKIMI_POLICY="least_loaded")
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("d0", Role.DECODE))
+    assert (await scheduler.handle_submit(_submit("r1", 2000))).prefill_id == "p0"
+    await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL))  # sent after the placement; r1 not there yet
+    view = scheduler.view()
+    (beat,) = view.prefills
+    assert view.queued_work(beat)[0] == 2000 and view.queue_s(beat) > 0
+    await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL, queued=2000, ids=["r1"]))
+    view = scheduler.view()
+    assert view.queued_work(view.prefills[0])[0] == 2000
