@@ -3,12 +3,8 @@ section 5.1). Every instance of a group holds the whole model for short prompts 
 its layers, on the same weights, for long ones: the first stage computes a long prompt chunk by chunk and sends each
 chunk's residual stream to the next stage (`StageRows` on `prefill.<id>.stage`), which computes that chunk with its
 layers while the first computes the next chunk, and so on; each stage streams its own layers' KV into the request's
-hand-off to decode (the first stage opened it), and the last one ends it with the first token. Once its part of a
-prompt is done, each stage puts its layers of the prompt's new full blocks into the cache-store, under block ids of
-its own namespace (`LayerRange.block_format`: never a whole model's or another stage's), and each loads its layers
-of a prompt's prefix from there when its own cache lacks them: the first stage starts a prompt after the longest
-prefix every stage's layers of are in the cache-store (or its own cache holds, which the others' mirror: they
-computed the same prompts), and a later stage fetches what its cache lacks of that prefix.
+hand-off to decode (the first stage opened it), and the last one ends it with the first token. Each stage puts its
+layers of a prompt's blocks into the cache-store and loads its layers of a prefix from there (`stage_store.py`).
 
 It owns the stage engine (`LLMEngine.stage_engine`: its own KV pool, its own engine thread) and the requests in
 it; the prefill service decides which prompts it leads (`PrefillService`) and forwards cancellations.
@@ -27,14 +23,13 @@ import torch
 
 from services.common.engine_host import EngineHost
 from services.common.tasks import BackgroundTasks
-from services.prefill.fetch import StoreLoader
 from services.prefill.kv_send import LayerSender
 from services.prefill.measure import StepSamples
+from services.prefill.stage_store import StageStore
 from shared.config import EngineSettings
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats
-from shared.engine.kv.prefix_load import PrefixSource
 from shared.engine.sequence import FinishReason, Sequence
-from shared.model.stages import LayerRange, split_layers
+from shared.model.stages import LayerRange
 from shared.wire.block_hash import block_hashes
 from shared.wire.bus import Bus, BusError
 from shared.wire.cache_client import CacheClient
@@ -99,9 +94,8 @@ class PipelineStage:
         self.index = group.index(me)
         self.next_id = None if stage.is_last else group[self.index + 1]
         self.host: EngineHost[RequestOutput] = EngineHost(engine)
-        self.cache = cache
-        self.loader = None if cache is None else StoreLoader(cache, engine.store, self.host.loop,
-                                                             settings.kv_deadline_s)
+        self.store = None if cache is None else StageStore(engine, self.host, len(group), cache,
+                                                           settings.kv_deadline_s)
         self._held: dict[str, _Held] = {}
         self._new_blocks: dict[str, tuple[int, list[Payload]]] = {}  # engine thread -> loop: (first block, blocks)
         self._aborts: set[str] = set()
@@ -145,8 +139,8 @@ class PipelineStage:
                  next_stage=self.next_id, min_tokens=self.settings.cpp_min_tokens)
 
     async def stop(self) -> None:
-        if self.loader is not None:
-            await self.loader.stop()
+        if self.store is not None:
+            await self.store.stop()
         await self.host.stop()
         await self.tasks.close()
         self.sender.close()
@@ -165,7 +159,8 @@ class PipelineStage:
         log.info("pipeline prompt", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  prompt_tokens=len(task.prompt_ids), stages=len(self.group))
         try:
-            source = await self._group_prefix(held)
+            source = None if self.store is None else await self.store.group_prefix(
+                task.request_id, task.prompt_ids, held.hashes)
             await self.host.call(self.engine.add_request, task.request_id, task.prompt_ids, task.sampling, source)
         except ValueError as exc:
             await self._fail(task.request_id, ErrorType.INVALID, str(exc))
@@ -180,12 +175,14 @@ class PipelineStage:
         task = msg.task
         if self.leads or task.request_id in self._held:
             return Ack(False, f"{self.settings.instance_id} is stage {self.index}, or holds {task.request_id} already")
-        self._held[task.request_id] = _Held(task, msg.num_kv_chunks, self._hashes(task.prompt_ids), next_in=msg.start)
+        held = self._held[task.request_id] = _Held(task, msg.num_kv_chunks, self._hashes(task.prompt_ids),
+                                                   next_in=msg.start)
         log.info("pipeline prompt", request_id=task.request_id, stage=self.index, layers=str(self.stage),
                  prompt_tokens=len(task.prompt_ids), tokens_from=msg.start)
         try:
             self.engine.check_prompt(task.prompt_ids)
-            source = await self._missing_prefix(self._held[task.request_id], msg.start)
+            source = None if self.store is None else await self.store.missing_prefix(
+                task.request_id, task.prompt_ids, held.hashes, msg.start)
             await self.host.call(self.engine.add_stage_request, task.request_id, task.prompt_ids, task.sampling,
                                  msg.start, source)
         except ValueError as exc:
@@ -255,20 +252,12 @@ class PipelineStage:
         return outputs, computed and self.engine.has_unfinished()
 
     def _export_blocks(self, out: RequestOutput) -> None:
-        """Engine thread: the prompt's full blocks this stage computed (not those it reused), for the cache-store."""
+        """Engine thread: the prompt's new full blocks, for the cache-store (`_deliver` puts them there)."""
         held = self._held.get(out.request_id)
-        if self.cache is None or held is None:
-            return
-        first = out.num_cached_tokens // self.engine.config.block_size
-        hashes = held.hashes[first:]
-        if not hashes:
-            return
-        if out.finished:  # the engine left its blocks in its prefix cache
-            blocks = self.engine.export_cached_payloads(hashes, first)
-        else:
-            blocks = self.engine.export_block_payloads(out.request_id, first, len(hashes))
-        if blocks:
-            self._new_blocks[out.request_id] = (first, blocks)
+        if self.store is not None and held is not None:
+            new_blocks = self.store.export(out, held.hashes)
+            if new_blocks is not None:
+                self._new_blocks[out.request_id] = new_blocks
 
     def _on_layer(self, layer_idx: int, seqs: list[Sequence]) -> None:
         """Engine thread, mid-forward: this stage's layer of a finished prompt, copied for decode."""
@@ -289,8 +278,9 @@ class PipelineStage:
             new_blocks = self._new_blocks.pop(out.request_id, None)
             if held is None:
                 continue
-            if new_blocks is not None:
-                self.tasks.spawn(self._store_blocks(held, *new_blocks), f"store-stage-blocks-{out.request_id}")
+            if self.store is not None and new_blocks is not None:
+                self.tasks.spawn(self.store.put(out.request_id, held.hashes, *new_blocks),
+                                 f"store-stage-blocks-{out.request_id}")
             if out.finish_reason == FinishReason.ERROR:
                 await self._fail(out.request_id, ErrorType.INTERNAL, f"pipeline stage {self.index}: {out.error}")
                 continue
@@ -352,50 +342,8 @@ class PipelineStage:
                  chunks=held.num_chunks, ttft_s=round(time.time() - task.arrival_time, 4),
                  kv_chunks=held.num_kv_chunks)
 
-    async def _store_blocks(self, held: _Held, first: int, blocks: list[Payload]) -> None:
-        """Off the critical path: this stage's layers of the prompt's new full blocks into the cache-store, in parts
-        of whole layers."""
-        assert self.cache is not None
-        stored = 0
-        for i, data in enumerate(blocks):
-            layer_bytes = self.engine.store.payload_layer_bytes(first + i == 0)
-            stored += await self.cache.put_block(held.hashes[first + i], data, align_bytes=layer_bytes)
-        log.info("pipeline blocks stored", request_id=held.task.request_id, stage=self.index, layers=str(self.stage),
-                 first_block=first, blocks=stored, of=len(blocks))
-
     def _hashes(self, prompt_ids: list[int]) -> list[int]:
         return block_hashes(prompt_ids, self.engine.config.block_size, self.engine.block_manager.namespace)
-
-    async def _group_prefix(self, held: _Held) -> PrefixSource | None:
-        """The first stage: a source of the longest prefix of the prompt whose blocks of every stage's layers the
-        cache-store holds, when that is longer than this stage's own cache holds (None: start after its own)."""
-        if self.cache is None or self.loader is None:
-            return None
-        prompt, size = held.task.prompt_ids, self.engine.config.block_size
-        usable = (len(prompt) - 1) // size  # the last token is always computed
-        local = await self.host.call(self.engine.block_manager.num_reusable_tokens, prompt)
-        if usable * size <= local:
-            return None
-        num_blocks = usable
-        for layers in split_layers(self.stage.num_layers, len(self.group)):
-            hashes = held.hashes if layers == self.stage else block_hashes(
-                prompt, size, self.engine.block_namespace(layers))
-            num_blocks = min(num_blocks, await self.cache.longest_prefix(hashes[:num_blocks]))
-            if num_blocks * size <= local:
-                return None
-        return self.loader.source(held.task.request_id, held.hashes[:num_blocks], size)
-
-    async def _missing_prefix(self, held: _Held, start: int) -> PrefixSource | None:
-        """A later stage: a source of the `start` tokens the first stage reused, when this stage's own cache holds
-        fewer of them and the cache-store holds them all (else None: the engine fails the request if it lacks
-        them)."""
-        if start == 0 or self.cache is None or self.loader is None:
-            return None
-        local = await self.host.call(self.engine.block_manager.num_reusable_tokens, held.task.prompt_ids)
-        num_blocks = start // self.engine.config.block_size
-        if local >= start or await self.cache.longest_prefix(held.hashes[:num_blocks]) < num_blocks:
-            return None
-        return self.loader.source(held.task.request_id, held.hashes[:num_blocks], self.engine.config.block_size)
 
     async def _to_decode(self, held: _Held, msg: Message) -> None:
         await self.bus.publish(self.bus.subjects.decode_handoff(held.task.decode_id), msg)
