@@ -96,6 +96,12 @@ def cpu_has_avx512_bf16() -> bool:
     return " avx512_bf16 " in f"{_cpu_flags()} "
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Intel Xeon from Sapphire Rapids on), which oneDNN's matmuls and
+    PyTorch's CPU flash attention use."""
+    return " amx_bf16 " in f"{_cpu_flags()} "
+
+
 def auto_cpu_kernels_error() -> str | None:
     """None when `auto` takes the kernels on this machine; otherwise why not. Without AVX-512 their portable loops
     are slower than the references, so they are not even built then."""

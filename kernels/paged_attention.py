@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import KernelBackend
-from kernels.cpu_build import cpu_has_avx512_bf16
+from kernels.cpu_build import cpu_has_amx_bf16, cpu_has_avx512_bf16
 from kernels.kv_layout import pool_dims
 from kernels.paged_attention_cpu import CPU_FAST_HEAD_DIMS, paged_decode_attention_cpu
 from kernels.paged_attention_triton import (
@@ -221,9 +221,12 @@ def decode_takes_reference(backend: KernelBackend, head_dim: int) -> bool:
 def prefill_takes_cpu_kernel(backend: KernelBackend, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step's prefill attention runs `paged_prefill_attention_cpu` (all its chunks in one call) rather than
     the references: on the CPU backend in bf16 at head sizes 64 and 128, where the CPU has AVX512-BF16 dot products
-    (PyTorch's SDPA on CPU reaches about a sixth of the matmuls' rate there)."""
+    (PyTorch's SDPA on CPU reaches about a sixth of the matmuls' rate there) but no AMX. With AMX, SDPA's flash
+    attention runs on AMX tiles and beats the kernel's dot products: on a 2-core Xeon with AMX, 8 chunks of 256 new
+    tokens after 0 / 256 / 1,024 cached, the kernel took 2.4x / 2.1x / 2.4x the references' time
+    (`benchmarks/cpu_prefill_attention.py op`)."""
     return (backend is KernelBackend.CPU and dtype == torch.bfloat16 and head_dim in CPU_FAST_HEAD_DIMS
-            and cpu_has_avx512_bf16())
+            and cpu_has_avx512_bf16() and not cpu_has_amx_bf16())
 
 
 def paged_prefill_attention(

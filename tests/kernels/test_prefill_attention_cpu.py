@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels import paged_attention
 from kernels.backend import KernelBackend
 from kernels.cpu_build import cpu_has_avx512_bf16
 from kernels.paged_attention import (
@@ -113,12 +114,19 @@ def test_cpu_prefill_kernel_sees_no_later_token_and_nothing_past_the_context() -
 
 
 @BF16_DOTS
-def test_the_cpu_prefill_kernel_is_taken_only_where_it_has_a_fast_path() -> None:
+def test_the_cpu_prefill_kernel_is_taken_only_where_it_has_a_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_attention, "cpu_has_amx_bf16", lambda: False)
     assert prefill_takes_cpu_kernel(KernelBackend.CPU, torch.bfloat16, 64)
     assert prefill_takes_cpu_kernel(KernelBackend.CPU, torch.bfloat16, 128)
     assert not prefill_takes_cpu_kernel(KernelBackend.TORCH, torch.bfloat16, 64)
     assert not prefill_takes_cpu_kernel(KernelBackend.CPU, torch.float32, 64)
     assert not prefill_takes_cpu_kernel(KernelBackend.CPU, torch.bfloat16, 24)
+
+
+def test_with_amx_the_prefill_attention_stays_with_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_attention, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(paged_attention, "cpu_has_amx_bf16", lambda: True)
+    assert not prefill_takes_cpu_kernel(KernelBackend.CPU, torch.bfloat16, 64)
 
 
 @BF16_DOTS
