@@ -143,6 +143,7 @@ class DecodeService:
         return Load(
             num_running=len(running), num_waiting=len(self._assembling) + len(ready), num_queued_tokens=local,
             max_num_seqs=self.engine.runner.max_num_seqs,
+            max_batched_tokens=self.engine.config.max_num_batched_tokens,
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=[*running, *self._assembling, *ready, *self.receiver.request_ids()], samples=samples,
             block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,

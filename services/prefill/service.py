@@ -159,6 +159,7 @@ class PrefillService:
             kv_moved_bytes=self.sender.num_bytes + (stage.sender.num_bytes if stage else 0),
             kv_moved_tokens=self._moved_tokens + (stage.num_moved_tokens if stage else 0),
             max_num_seqs=self.engine.runner.max_num_seqs,
+            max_batched_tokens=self.engine.config.max_num_batched_tokens,
             pipeline_group=list(self.settings.cpp_group) if stage else [],
             pipeline_min_tokens=self.settings.cpp_min_tokens if stage else 0,
             pipeline_row_bytes=stage.row_bytes if stage else 0,

@@ -69,7 +69,7 @@ class ClusterView:
     block_size: int
     balance_ratio: float
     now: float = field(default_factory=time.time)
-    max_batched_tokens: int = 2048  # a step's token budget (TSUKIMI_MAX_BATCHED_TOKENS): a prefill chunk's most
+    max_batched_tokens: int = 2048  # a step's token budget where a heartbeat does not report its instance's
     # First stages that would run this prompt: their groups' heartbeats, first stage first.
     pipelines: dict[str, list[Heartbeat]] = field(default_factory=dict)
 
@@ -94,6 +94,11 @@ class ClusterView:
             return self
         return dataclasses.replace(self, prefills=prefills, pipelines=pipelines)
 
+    def budget(self, beat: Heartbeat) -> int:
+        """The most tokens a step of this instance runs (TSUKIMI_MAX_BATCHED_TOKENS, its heartbeat's, else this
+        scheduler's): the chunk a long prompt is computed in."""
+        return beat.max_batched_tokens or self.max_batched_tokens
+
     def queued_work(self, beat: Heartbeat) -> tuple[int, float]:
         """Prompt tokens waiting at this prefill instance, and their attention work: what its heartbeat reports (of a
         prompt part-computed, what is left of it) plus what was placed there since (not in the heartbeat yet)."""
@@ -107,7 +112,7 @@ class ClusterView:
     def queue_s(self, beat: Heartbeat) -> float:
         """Predicted seconds of prefill work ahead at this instance, in steps of the token budget (prompts share a
         step)."""
-        return self.prefill_cost.queue_s(*self.queued_work(beat), self.max_batched_tokens)
+        return self.prefill_cost.queue_s(*self.queued_work(beat), self.budget(beat))
 
     def prefill_option(self, beat: Heartbeat, request: SubmitRequest, use_pool: bool) -> PrefillOption:
         """TTFT on one prefill instance; with `use_pool`, fetch the pool's prefix when it is `balance_ratio` times
@@ -148,7 +153,7 @@ class ClusterView:
         reused = (pool if fetch else local) * size
         rate = beat.fetch_bytes_per_s or DEFAULT_LINK_BYTES_PER_S
         fetch_s = (pool - local) * beat.block_bytes / len(stages) / rate if fetch else 0.0
-        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), reused, len(stages), self.max_batched_tokens,
+        compute = self.prefill_cost.pipeline_s(len(request.prompt_ids), reused, len(stages), self.budget(beat),
                                                beat.pipeline_row_bytes / rate)
         ahead = [t.decode_start for t in self.tracked.values() if t.prefill_id == beat.instance_id and t.num_stages > 1]
         wait = max(max(ahead, default=self.now) - self.now, 0.0)
@@ -162,7 +167,7 @@ class ClusterView:
         if tokens <= 0:
             return 0.0
         together = self.prefill_cost.queue_s(tokens + num_tokens - num_reused,
-                                             work + attention_work(num_tokens, num_reused), self.max_batched_tokens)
+                                             work + attention_work(num_tokens, num_reused), self.budget(beat))
         return max(together - compute_s, 0.0)
 
     def transfer_s(self, request: SubmitRequest, beat: Heartbeat) -> float:
@@ -201,7 +206,7 @@ class ClusterView:
                            prefill_tokens: int) -> float:
         """A step of this decode instance (with this request added) that also computes a chunk of the prompts
         queued there: every request decoding there sees it as one gap."""
-        chunk = min(prefill_tokens, self.max_batched_tokens)
+        chunk = min(prefill_tokens, self.budget(beat))
         return self.tbt_s(beat, at_time, extra_tokens) + (self.prefill_cost.predict(chunk, 0) if chunk else 0.0)
 
     def judged_tbt_s(self, beat: Heartbeat, at_time: float | None, request: SubmitRequest) -> float:
@@ -213,7 +218,7 @@ class ClusterView:
         gaps = [2 * step]
         queued = self.local_prefill_tokens(beat)
         while queued > 0 and len(gaps) < num_slowest:
-            chunk = min(queued, self.max_batched_tokens)
+            chunk = min(queued, self.budget(beat))
             gaps.append(step + self.prefill_cost.predict(chunk, 0))
             queued -= chunk
         gaps += [step] * (num_slowest - len(gaps))

@@ -21,7 +21,7 @@ from shared.config.settings import (
     ServiceSettings,
 )
 from shared.engine.config import EngineConfig
-from shared.env_vars import ENV_VARS
+from shared.env_vars import ENV_VARS, PREFILL_BATCHED_TOKENS
 from shared.fastgen.policies import FastGenSettings, parse_shares
 from shared.kvcompress.names import CODEC_NAMES
 from shared.sim.profiles import PROFILES
@@ -68,7 +68,7 @@ def load_role_settings(
 
 
 def _service(get: Reader, role: str) -> Fields:
-    engine, engine_kind = _engine(get), get.choice("TSUKIMI_ENGINE", ENGINES)
+    engine, engine_kind = _engine(get, role), get.choice("TSUKIMI_ENGINE", ENGINES)
     if engine_kind == "sim" and engine.kv_codec != "none":
         raise ConfigError("TSUKIMI_KV_CODEC applies to the real engine; the sim engine's KV travels as sizes only")
     if engine_kind == "sim" and engine.kv_policy != "full":
@@ -91,7 +91,7 @@ def _service(get: Reader, role: str) -> Fields:
     )
 
 
-def _engine(get: Reader) -> EngineConfig:
+def _engine(get: Reader, role: str) -> EngineConfig:
     try:
         fastgen = FastGenSettings(
             threshold=get.number("TSUKIMI_FASTGEN_T", minimum=0.0),
@@ -108,13 +108,21 @@ def _engine(get: Reader) -> EngineConfig:
             kv_memory_fraction=get.number("TSUKIMI_KV_MEMORY_FRACTION", minimum=0.0),
             block_size=get.integer("TSUKIMI_BLOCK_SIZE", minimum=1),
             max_num_seqs=get.integer("TSUKIMI_MAX_NUM_SEQS", minimum=1),
-            max_num_batched_tokens=get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1),
+            max_num_batched_tokens=_step_tokens(get, role),
             enable_prefix_caching=get.switch("TSUKIMI_PREFIX_CACHING"),
             kv_codec=get.text("TSUKIMI_KV_CODEC"), kv_calib=get.text("TSUKIMI_KV_CALIB") or None,
             kv_policy=get.text("TSUKIMI_KV_POLICY"), fastgen=fastgen,
         )
     except ValueError as exc:
         raise ConfigError(f"engine settings: {exc}") from None
+
+
+def _step_tokens(get: Reader, role: str) -> int:
+    """TSUKIMI_MAX_BATCHED_TOKENS, or where it is not set on a prefill instance (no decodes in its steps), larger
+    steps: `PREFILL_BATCHED_TOKENS`."""
+    if role == "prefill" and not get.is_set("TSUKIMI_MAX_BATCHED_TOKENS"):
+        return PREFILL_BATCHED_TOKENS
+    return get.integer("TSUKIMI_MAX_BATCHED_TOKENS", minimum=1)
 
 
 def _gateway(get: Reader, role: str) -> Fields:

@@ -85,6 +85,10 @@ class Reader:
     def text(self, name: str) -> str:
         return self._env.get(name, ENV_VARS[name].default).strip()
 
+    def is_set(self, name: str) -> bool:
+        """Whether the environment gives `name` a value (not its default)."""
+        return bool(self._env.get(name, "").strip())
+
     def integer(self, name: str, minimum: int) -> int:
         raw = self.text(name)
         try:

@@ -43,6 +43,7 @@ class Load:
     kv_moved_tokens: int = 0
     kv_saved_bytes: int = 0
     max_num_seqs: int = 0
+    max_batched_tokens: int = 0
     pipeline_group: list[str] = field(default_factory=list)
     pipeline_min_tokens: int = 0
     pipeline_row_bytes: int = 0

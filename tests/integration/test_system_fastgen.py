@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shared.engine.engine import LLMEngine
-from shared.env_vars import ENV_VARS
+from shared.env_vars import PREFILL_BATCHED_TOKENS
 from shared.fastgen.policies import FastGenSettings
 from shared.wire.protocol import SamplingParams
 from tests.integration.system_fixture import System, start_system, stop_system
@@ -55,11 +55,10 @@ def assert_a_long_prompt_decodes_as_one_engine(
     engine with `engine_settings`, and the usage reports saving 10-100% of `token_bytes` per token held."""
     prompt = _text(2500)
     answer = _complete(system, prompt, 16)
-    # the system's step size too: a prompt computed in other chunks sums in another order, and a near tie in the
-    # greedy answer can then fall the other way
-    step_tokens = int(ENV_VARS["TSUKIMI_MAX_BATCHED_TOKENS"].default)
+    # the prefill instance's step size too: a prompt computed in other chunks sums in another order, and a near tie
+    # in the greedy answer can then fall the other way
     engine: LLMEngine = make_engine(kv_policy="fastgen", fastgen=SETTINGS, block_size=64,
-                                    max_num_batched_tokens=step_tokens, **engine_settings)
+                                    max_num_batched_tokens=PREFILL_BATCHED_TOKENS, **engine_settings)
     expected = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(max_tokens=16, temperature=0.0))
     assert answer["choices"][0]["text"] == expected[0].text
     usage = answer["usage"]

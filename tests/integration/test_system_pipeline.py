@@ -27,12 +27,14 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 DOCS = Path(__file__).parents[2] / "docs"  # English prose that travels with the repository
 MIN_TOKENS = 1024
+STEP_TOKENS = 512  # prefill steps: a prompt of a few thousand tokens crosses the stages in several chunks
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     running = start_system(tmp_path_factory.mktemp("pipeline-system"), {
         "TSUKIMI_CPP_MIN_TOKENS": str(MIN_TOKENS), "TSUKIMI_CPP_KV_MB": "128", "TSUKIMI_KV_CACHE_MB": "256",
+        "TSUKIMI_MAX_BATCHED_TOKENS": str(STEP_TOKENS),
     }, args=["--cpp-group", "2"])
     yield running
     stop_system(running)
@@ -70,8 +72,7 @@ def test_a_long_prompt_runs_on_both_stages_and_answers_as_one_engine(system: Sys
     prompt = _text(8_000)
     status, answer = _complete(system, prompt, 12)
     assert status == 200, answer
-    step_tokens = int(ENV_VARS["TSUKIMI_MAX_BATCHED_TOKENS"].default)  # the chunks the stages computed
-    engine: LLMEngine = make_engine(block_size=64, max_num_batched_tokens=step_tokens, kv_cache_bytes=256 << 20)
+    engine: LLMEngine = make_engine(block_size=64, max_num_batched_tokens=STEP_TOKENS, kv_cache_bytes=256 << 20)
     ids = engine.tokenizer.encode(prompt)
     assert len(ids) > 2 * MIN_TOKENS
     (expected,) = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -80,7 +81,7 @@ def test_a_long_prompt_runs_on_both_stages_and_answers_as_one_engine(system: Sys
     first = {line["event"]: line for line in _log_lines(system, "prefill-0", request_id)}
     second = {line["event"]: line for line in _log_lines(system, "prefill-1", request_id)}
     assert first["pipeline stage done"]["layers"] == "layers 0-14 of 30"
-    assert first["pipeline stage done"]["chunks"] == -(-len(ids) // step_tokens) == second["prefilled"]["chunks"]
+    assert first["pipeline stage done"]["chunks"] == -(-len(ids) // STEP_TOKENS) == second["prefilled"]["chunks"]
     assert second["pipeline prompt"]["layers"] == "layers 15-29 of 30" and second["prefilled"]["stage"] == 1
     assert "prefilled" not in first  # the first stage ends no hand-off: the last one does
     (placed,) = [line for line in _log_lines(system, "scheduler-0", request_id) if line["event"] == "placed"]

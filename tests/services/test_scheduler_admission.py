@@ -4,6 +4,7 @@ step), and prefill on decode only where the step computing it fits the TBT SLO."
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -86,6 +87,20 @@ async def test_a_prompt_behind_a_queue_gets_its_first_token_at_the_end_of_the_st
     view = scheduler.view()
     alone = view.prefill_option(view.prefills[0], _submit("r", 300), use_pool=False)
     assert (alone.queue_s, alone.ttft_s) == (0.0, pytest.approx(view.prefill_cost.predict(300, 0)))
+
+
+async def test_each_instance_is_priced_in_steps_of_the_budget_its_heartbeat_reports() -> None:
+    scheduler, _, _ = _service(TSUKIMI_MAX_BATCHED_TOKENS="512")
+    queue = dataclasses.replace(_prefill_queue(700, 7 * attention_work(100, 0)), max_batched_tokens=2048)
+    await _cluster(scheduler, queue, _decode())
+    view = scheduler.view()
+    model, work = view.prefill_cost.model, 7 * attention_work(100, 0) + attention_work(300, 0)
+    behind = view.prefill_option(view.prefills[0], _submit("r", 300), use_pool=False)
+    assert behind.ttft_s == pytest.approx(model.predict(1000, work))  # one step of 2,048 holds all 1,000 tokens
+    await _cluster(scheduler, dataclasses.replace(queue, max_batched_tokens=0))  # not reported: the scheduler's own
+    view = scheduler.view()
+    behind = view.prefill_option(view.prefills[0], _submit("r", 300), use_pool=False)
+    assert behind.ttft_s == pytest.approx(2 * model.predict(500, work / 2))
 
 
 async def test_the_conductor_prefills_on_decode_only_where_the_step_fits_the_tbt_slo() -> None:

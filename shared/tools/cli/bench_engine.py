@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shared.engine.engine import LLMEngine
-from shared.env_vars import default_int
+from shared.env_vars import PREFILL_BATCHED_TOKENS
 from shared.model.checkpoint import load_checkpoint
 from shared.model.config import LlamaConfig
 from shared.tools.bench.hf_baseline import random_prompts
@@ -83,8 +83,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--gen-len", type=positive_int, default=32, help="decode tokens measured (default: 32)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; median (default: 3)")
     parser.add_argument(
-        "--max-batched-tokens", type=positive_int, default=default_int("TSUKIMI_MAX_BATCHED_TOKENS"),
-        help="tsukimi's tokens per step, the prefill chunk (default: %(default)s, as `tsukimi up`)",
+        "--max-batched-tokens", type=positive_int, default=PREFILL_BATCHED_TOKENS,
+        help="tsukimi's tokens per step, the prefill chunk (default: %(default)s, as a prefill instance runs)",
     )
     parser.add_argument("--skip-transformers", action="store_true", help="measure tsukimi only")
     parser.add_argument("--json", action="store_true", help="print one JSON object with `results`")

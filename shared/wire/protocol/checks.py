@@ -195,6 +195,7 @@ def _heartbeat(msg: Heartbeat) -> None:
                   kv_stored_bytes=msg.kv_stored_bytes, kv_stored_blocks=msg.kv_stored_blocks,
                   kv_moved_bytes=msg.kv_moved_bytes, kv_moved_tokens=msg.kv_moved_tokens,
                   kv_saved_bytes=msg.kv_saved_bytes, max_num_seqs=msg.max_num_seqs,
+                  max_batched_tokens=msg.max_batched_tokens,
                   pipeline_min_tokens=msg.pipeline_min_tokens, pipeline_row_bytes=msg.pipeline_row_bytes)
     for request_id in msg.request_ids:
         _request_id(msg.KIND, request_id)

@@ -145,7 +145,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 8
+    VERSION: ClassVar[int] = 9
 
     instance_id: str
     role: str
@@ -177,6 +177,7 @@ class Heartbeat(Message):
     kv_moved_tokens: int = 0
     kv_saved_bytes: int = 0  # decode with FastGen: KV bytes its running requests do not hold (against full caches)
     max_num_seqs: int = 0  # prefill and decode: the most sequences a step runs (0: not reported)
+    max_batched_tokens: int = 0  # prefill and decode: the most tokens a step runs, its prefill chunk (0: not reported)
     # Prefill in a pipeline group (`TSUKIMI_CPP_GROUP`): the group's instances, first stage first, and the prompt
     # tokens to compute from which the first stage runs a prompt on the group (empty, 0: in no group); the bytes
     # of one token's hidden-state row that crosses each boundary between stages (before coding); the block-hash
