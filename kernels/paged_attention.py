@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernels.backend import KernelBackend
 from kernels.cpu_build import cpu_has_amx_bf16, cpu_has_avx512_bf16
 from kernels.kv_layout import pool_dims
-from kernels.paged_attention_cpu import CPU_FAST_HEAD_DIMS, paged_decode_attention_cpu
+from kernels.paged_attention_cpu import CPU_FAST_HEAD_DIMS, paged_decode_attention_cpu, store_kv_cpu
 from kernels.paged_attention_triton import (
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
@@ -188,8 +188,8 @@ def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor, backend: KernelBackend,
 ) -> None:
-    """`store_kv_ref` or `store_kv_triton`, by backend."""
-    store = store_kv_triton if backend is KernelBackend.TRITON else store_kv_ref
+    """`store_kv_ref`, `store_kv_triton` or `store_kv_cpu`, by backend."""
+    store = {KernelBackend.TRITON: store_kv_triton, KernelBackend.CPU: store_kv_cpu}.get(backend, store_kv_ref)
     store(k_cache, v_cache, k, v, slot_mapping)
 
 

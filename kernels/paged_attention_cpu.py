@@ -1,5 +1,6 @@
-"""The C++ CPU attention kernels' launchers: decode (`kernels/csrc/paged_decode_attention.cpp`) and prefill
-(`kernels/csrc/prefill_attention.cpp`), and the head sizes they have fast paths for.
+"""The C++ CPU attention kernels' launchers: decode (`kernels/csrc/paged_decode_attention.cpp`), prefill
+(`kernels/csrc/prefill_attention.cpp`) and the store of a step's new K and V (`kernels/csrc/store_kv.cpp`), and the
+head sizes the attention kernels have fast paths for.
 
 Both read K and V straight from the paged pool: what `paged_decode_attention_ref` and `paged_prefill_attention_ref`
 gather first. The kernels check their arguments themselves (shapes, dtypes, and every length and block id against
@@ -15,6 +16,26 @@ from kernels.cpu_build import cpu_kernels_error
 # Head sizes with an AVX-512 path in the kernel; at others it runs portable loops that measured slower than the
 # reference (head size 24, batch 32, one thread: 2.8 against 0.6 ms), so the dispatcher keeps the reference there.
 CPU_FAST_HEAD_DIMS = (64, 128)
+
+
+def store_kv_cpu(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`store_kv_ref` in one call: k, v [num_tokens, num_kv_heads, head_dim] (any token and head strides, each head's
+    row contiguous) into the flat slots of slot_mapping.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes, or a slot outside the pool.
+        RuntimeError: the kernels did not build (see `kernels.cpu_build`).
+    """
+    error = cpu_kernels_error()
+    if error is not None:
+        raise RuntimeError(error)
+    k, v = (x if x.dim() != 3 or x.stride(2) == 1 else x.contiguous() for x in (k, v))
+    try:
+        torch.ops.tsukimi_cpu.store_kv(k_cache, v_cache, k, v, slot_mapping.to(torch.int64).contiguous())
+    except RuntimeError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
 
 
 def paged_decode_attention_cpu(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 # TSUKIMI_MAX_BATCHED_TOKENS of a prefill instance where it is not set. On a 2-core Xeon with AMX the model's bf16
 # matmuls ran about 1.5x faster a token at 2,048 rows than at 512, and so did the engine's prefill
-# (docs/experiments/peers.md).
+# (docs/experiments/performance.md, "With AMX").
 PREFILL_BATCHED_TOKENS = 2048
 
 
@@ -77,9 +77,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_FASTGEN_FREQUENT_ALONE", "off", "FastGen: heavy hitters without the window are a policy"),
         EnvVar("TSUKIMI_MAX_NUM_SEQS", "64", "most sequences in a decode batch"),
         EnvVar("TSUKIMI_MAX_BATCHED_TOKENS", "512",
-               f"tokens per forward step, decode tokens and prefill chunks (a chunk this small keeps the running "
+               "tokens per forward step, decode tokens and prefill chunks (a chunk this small keeps the running "
                f"decodes' TBT; a prefill instance, whose steps hold no decodes, runs {PREFILL_BATCHED_TOKENS} unless "
-               f"this is set: AMX CPUs and GPUs compute a token faster in larger steps)"),
+               "this is set: AMX CPUs and GPUs compute a token faster in larger steps)"),
         EnvVar("TSUKIMI_PREFIX_CACHING", "on",
                "an engine reuses the KV of full blocks it computed or loaded before (its local prefix cache); off "
                "stands for a baseline without it"),

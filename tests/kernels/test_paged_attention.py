@@ -286,6 +286,42 @@ def test_cpu_kernels_build() -> None:
 
 
 @DTYPES
+@pytest.mark.parametrize("num_tokens", [7, 600], ids=["decode-rows", "prefill-rows"])  # 600: split over threads
+def test_cpu_store_writes_exactly_what_the_reference_stores(dtype: torch.dtype, num_tokens: int) -> None:
+    gen, pool = seeded(14, torch.device("cpu")), Pool(block_size=16, num_kv_heads=3, groups=3, head_dim=64,
+                                                       num_blocks=48)
+    k_cache, v_cache = pool.caches(dtype, gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(pool.num_blocks * pool.block_size, generator=gen)[:num_tokens]
+    fused = torch.randn(num_tokens, pool.num_heads + 2 * pool.num_kv_heads, 64, generator=gen).to(dtype)
+    _, k, v = fused.split([pool.num_heads, pool.num_kv_heads, pool.num_kv_heads], dim=1)  # strided, as the model's
+    store_kv(k_cache, v_cache, k, v, slots, KernelBackend.CPU)
+    store_kv_ref(expected_k, expected_v, k, v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("change, match", [("slot-past-the-pool", "not a slot"), ("negative-slot", "not a slot"),
+                                           ("rows-for-slots", "rows for"), ("dtype", "the pool"),
+                                           ("heads", "KV heads")])
+def test_cpu_store_refuses_what_would_write_outside_the_pool(change: str, match: str) -> None:
+    gen, pool = seeded(15, torch.device("cpu")), Pool(block_size=4, num_kv_heads=2, groups=1, head_dim=64,
+                                                      num_blocks=4)
+    k_cache, v_cache = pool.caches(torch.float32, gen)
+    before = k_cache.clone()
+    k = v = torch.randn(3, 2, 64, generator=gen)
+    slots = torch.tensor({"slot-past-the-pool": [0, 16, 1], "negative-slot": [0, -1, 1]}.get(change, [0, 5, 1]))
+    if change == "rows-for-slots":
+        slots = slots[:2]
+    elif change == "dtype":
+        k = v = k.half()
+    elif change == "heads":
+        k = v = k[:, :1]
+    with pytest.raises(ValueError, match=match):
+        store_kv(k_cache, v_cache, k, v, slots, KernelBackend.CPU)
+    assert torch.equal(k_cache, before)  # checked before the first row is written
+
+
+@DTYPES
 @pytest.mark.parametrize(
     "pool",
     [Pool(16, num_kv_heads=3, groups=3, head_dim=64, num_blocks=64), Pool(16, num_kv_heads=2, groups=4, head_dim=128,
