@@ -184,13 +184,15 @@ def fresh_prefill_attention_ref(
 # ---- Dispatchers: what the engine calls --------------------------------------------------------------------
 
 
+_STORE_KV = {KernelBackend.TORCH: store_kv_ref, KernelBackend.TRITON: store_kv_triton, KernelBackend.CPU: store_kv_cpu}
+
+
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor, backend: KernelBackend,
 ) -> None:
     """`store_kv_ref`, `store_kv_triton` or `store_kv_cpu`, by backend."""
-    store = {KernelBackend.TRITON: store_kv_triton, KernelBackend.CPU: store_kv_cpu}.get(backend, store_kv_ref)
-    store(k_cache, v_cache, k, v, slot_mapping)
+    _STORE_KV[backend](k_cache, v_cache, k, v, slot_mapping)
 
 
 def paged_decode_attention(
