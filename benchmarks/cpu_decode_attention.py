@@ -2,13 +2,15 @@
 
 - `op`: one layer's decode attention alone (SmolLM2's heads unless told: 3 KV heads x 3 queries, bf16), context in
   random blocks of a 2,000-block pool, median of 50 calls; the reference gathers into a resident workspace as the
-  engine's does.
+  engine's does. With `--layers N`, N pools (one a layer) attended in turn as a step's layers are, so that each
+  call finds its KV out of the caches as in the engine, the time per layer; with `--contiguous`, each sequence's
+  blocks one after another, as the engine's block allocator mostly hands them out.
 - `engine` (the default): two engines in one process, `--kernels cpu` and `--kernels torch`, the same prompts; their
   decode steps interleaved (8 of one, then 8 of the other, `--rounds` times) so that both see the same machine noise;
   median step.
 
 Not a test. Usage: python benchmarks/cpu_decode_attention.py [engine|op] [--threads N] [--batch-size 32]
-    [--context 280] [--head-dim 64] [--rounds 10]
+    [--context 280] [--head-dim 64] [--layers 1] [--contiguous] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,18 +39,33 @@ def bench_op(args: argparse.Namespace) -> None:
     kv_heads, groups, block_size, num_blocks, dtype = 3, 3, 16, 2000, torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     shape = (kv_heads, num_blocks, block_size, args.head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    pools = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+             for _ in range(args.layers)]
     max_blocks = -(-args.context // block_size)
-    tables = torch.randint(0, num_blocks, (args.batch_size, max_blocks), generator=gen, dtype=torch.int32)
+    if args.contiguous:
+        starts = torch.randperm(num_blocks // max_blocks, generator=gen)[: args.batch_size] * max_blocks
+        tables = (starts[:, None] + torch.arange(max_blocks)[None, :]).to(torch.int32)
+    else:
+        tables = torch.randint(0, num_blocks, (args.batch_size, max_blocks), generator=gen, dtype=torch.int32)
     lens = torch.full((args.batch_size,), args.context, dtype=torch.int32)
     q = torch.randn(args.batch_size, kv_heads * groups, args.head_dim, generator=gen).to(dtype)
     size = kv_heads * args.batch_size * max_blocks * block_size * args.head_dim
     workspace = (torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype))
-    ours = 1000 * median_seconds(lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.125), 50, 3)
-    ref = 1000 * median_seconds(
-        lambda: paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125, workspace), 50, 3)
-    print(f"one layer, batch {args.batch_size}, context {args.context}, head dim {args.head_dim}, "
-          f"{torch.get_num_threads()} threads: C++ {ours:.3f} ms, reference {ref:.3f} ms ({ours / ref:.2f}x)")
+
+    def every_layer(attend: Callable[[torch.Tensor, torch.Tensor], object]) -> Callable[[], None]:
+        def run() -> None:
+            for k_cache, v_cache in pools:
+                attend(k_cache, v_cache)
+        return run
+
+    calls = max(1, 50 // args.layers)
+    ours = 1000 * median_seconds(every_layer(
+        lambda k, v: paged_decode_attention_cpu(q, k, v, tables, lens, 0.125)), calls, 3) / args.layers
+    ref = 1000 * median_seconds(every_layer(
+        lambda k, v: paged_decode_attention_ref(q, k, v, tables, lens, 0.125, workspace)), calls, 3) / args.layers
+    print(f"a layer of {args.layers}, batch {args.batch_size}, context {args.context}, head dim {args.head_dim}, "
+          f"{'contiguous' if args.contiguous else 'random'} blocks, {torch.get_num_threads()} threads: "
+          f"C++ {ours:.3f} ms, reference {ref:.3f} ms ({ours / ref:.2f}x)")
 
 
 def bench_engine(args: argparse.Namespace) -> None:
@@ -81,6 +99,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context", type=int, default=280, help="op: tokens each query attends to")
     parser.add_argument("--head-dim", type=int, default=64, help="op: head size")
+    parser.add_argument("--layers", type=int, default=1, help="op: pools attended in turn, one a layer")
+    parser.add_argument("--contiguous", action="store_true", help="op: each sequence's blocks one after another")
     parser.add_argument("--rounds", type=int, default=10, help="engine: turns of each engine")
     args = parser.parse_args()
     if args.threads:

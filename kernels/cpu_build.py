@@ -22,7 +22,7 @@ from torch.utils import cpp_extension
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp",
                                     "store_kv.cpp")]
-HEADERS = [CSRC / "cpu_math.h"]
+HEADERS = [CSRC / name for name in ("cpu_math.h", "decode_attention_amx.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
 

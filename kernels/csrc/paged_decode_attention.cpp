@@ -4,8 +4,9 @@
 //
 // Work unit: one (sequence, KV head) pair, its query heads together (grouped-query attention reads each K/V row
 // once for the whole group). Scores for the whole context, one softmax, then V weighted by the probabilities; all
-// in fp32, the output in the query's dtype. AVX-512 intrinsics where the CPU has them (head sizes 64 and 128), loops
-// written for the compiler's vectorizer otherwise (-O3 -march=native).
+// in fp32, the output in the query's dtype. bf16 on a CPU with AMX: decode_attention_amx.h's tiles; otherwise AVX-512
+// intrinsics where the CPU has them (head sizes 64 and 128), loops written for the compiler's vectorizer elsewhere
+// (-O3 -march=native).
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -15,6 +16,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "decode_attention_amx.h"
 
 #include <cfloat>
 #include <cmath>
@@ -373,6 +375,28 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id, " is not a block of the pool");
     }
   }
+#if defined(TSUKIMI_DECODE_AMX)
+  namespace amx = tsukimi_kernels::amx;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (amx::fits(head_dim, block_size, groups) && amx::tiles_permitted()) {
+      at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        amx::Scratch scratch(longest);
+        amx::configure_tiles();
+        for (int64_t unit = begin; unit < end; ++unit) {
+          const int64_t b = unit / num_kv_heads, h = unit % num_kv_heads, first_head = h * groups * head_dim;
+          const scalar_t* q_unit = q_ptr + b * q_row_stride + first_head;
+          const scalar_t *k_head = k_ptr + h * head_stride, *v_head = v_ptr + h * head_stride;
+          scalar_t* out_unit = out_ptr + b * num_heads * head_dim + first_head;
+          const auto decode_unit = head_dim == 64 ? amx::decode_unit<64> : amx::decode_unit<128>;
+          decode_unit(q_unit, k_head, v_head, tables + b * max_blocks, block_size, lens[b], groups,
+                      static_cast<float>(scale), scratch, out_unit);
+        }
+        amx::release_tiles();
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(groups * longest), query(groups * head_dim), acc(groups * head_dim);
     std::vector<uint16_t> probs16(groups * longest);

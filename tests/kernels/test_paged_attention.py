@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.backend import KernelBackend, select_backend, triton_available
-from kernels.cpu_build import cpu_has_avx512, cpu_kernels_error
+from kernels.cpu_build import CSRC, HEADERS, SOURCES, cpu_has_avx512, cpu_kernels_error
 from kernels.paged_attention import (
     fresh_prefill_attention_ref,
     paged_decode_attention,
@@ -285,6 +285,12 @@ def test_cpu_kernels_build() -> None:
     assert cpu_kernels_error() is None
 
 
+def test_every_kernel_source_is_built_and_hashed() -> None:
+    """A source or header left out of the lists would be left out of the build's name, and an edit to it would
+    load the stale library built before."""
+    assert {path.name for path in CSRC.iterdir()} == {path.name for path in SOURCES + HEADERS}
+
+
 @DTYPES
 @pytest.mark.parametrize("num_tokens", [7, 600], ids=["decode-rows", "prefill-rows"])  # 600: split over threads
 def test_cpu_store_writes_exactly_what_the_reference_stores(dtype: torch.dtype, num_tokens: int) -> None:
@@ -344,12 +350,17 @@ def test_cpu_decode_kernel_matches_the_reference(pool: Pool, dtype: torch.dtype)
 
 
 @DTYPES
-def test_cpu_decode_kernel_reads_no_row_past_the_context(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("block_size, context_lens", [(5, [7, 3, 11]), (16, [7, 3, 40])], ids=["odd-blocks", "tiles"])
+def test_cpu_decode_kernel_reads_no_row_past_the_context(
+    dtype: torch.dtype, block_size: int, context_lens: list[int]
+) -> None:
     """Rows past a context's end in its last block (stale or never written) poisoned with NaN change nothing: an odd
-    last row is paired with zeros, not with the row after it."""
-    gen, pool = seeded(17, torch.device("cpu")), Pool(5, num_kv_heads=2, groups=3, head_dim=64, num_blocks=16)
+    last row is paired with zeros, not with the row after it, and on AMX (blocks of 16) the scores of a whole tile of
+    16 rows are computed but those past the end never weighed."""
+    gen = seeded(17, torch.device("cpu"))
+    pool = Pool(block_size, num_kv_heads=2, groups=3, head_dim=64, num_blocks=16)
     k_cache, v_cache = pool.caches(dtype, gen)
-    lens = torch.tensor([7, 3, 11])
+    lens = torch.tensor(context_lens)
     q, tables = pool.queries(len(lens), dtype, gen), pool.tables(len(lens), 3, torch.int32, gen)
     for b, context_len in enumerate(lens.tolist()):
         last, used = tables[b, (context_len - 1) // pool.block_size], (context_len - 1) % pool.block_size + 1
@@ -359,6 +370,45 @@ def test_cpu_decode_kernel_reads_no_row_past_the_context(dtype: torch.dtype) -> 
     for b, context_len in enumerate(lens.tolist()):
         dense = dense_attention(q[b : b + 1], k_cache, v_cache, tables[b], context_len, 0.3)
         assert_close(out[b : b + 1], dense.to(dtype), dtype)
+
+
+def test_cpu_decode_kernel_over_long_contexts_matches_the_reference() -> None:
+    """Contexts of many 32-token tiles and of none, bf16 at SmolLM2's and Llama-3-8B's heads."""
+    for pool in (Pool(16, num_kv_heads=3, groups=3, head_dim=64, num_blocks=80),
+                 Pool(16, num_kv_heads=2, groups=4, head_dim=128, num_blocks=80)):
+        gen = seeded(18, torch.device("cpu"))
+        k_cache, v_cache = pool.caches(torch.bfloat16, gen)
+        lens = torch.tensor([300, 2, 31, 32, 333])
+        q, tables = pool.queries(len(lens), torch.bfloat16, gen), pool.tables(len(lens), 16, torch.int32, gen)
+        lens = lens.clamp(max=16 * pool.block_size)
+        out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens.int(), 0.125)
+        assert_close(out, paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, lens, 0.125),
+                     torch.bfloat16)
+
+
+def test_cpu_decode_kernel_leaves_other_bf16_kernels_as_they_were() -> None:
+    """On AMX the kernel configures the tile registers of each thread it runs on; PyTorch's flash attention and
+    oneDNN's matmuls use them too. Their results after it are bit for bit their results before."""
+    gen, pool = seeded(19, torch.device("cpu")), Pool(16, num_kv_heads=3, groups=3, head_dim=64, num_blocks=64)
+    k_cache, v_cache = pool.caches(torch.bfloat16, gen)
+    q, tables, lens = pool.queries(8, torch.bfloat16, gen), pool.tables(8, 4, torch.int32, gen), torch.full((8,), 60)
+    x, w = torch.randn(64, 576, generator=gen).bfloat16(), torch.randn(960, 576, generator=gen).bfloat16()
+    can_pack = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if can_pack else w
+    qs, ks, vs = (torch.randn(2, 9, 256, 64, generator=gen).bfloat16() for _ in range(3))
+
+    def others() -> tuple[torch.Tensor, torch.Tensor]:
+        matmul = (torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "") if packed is not w
+                  else torch.nn.functional.linear(x, w))
+        return matmul, torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    before = others()
+    for _ in range(3):
+        out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens.int(), 0.125)
+        after = others()
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert_close(out, paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, lens, 0.125),
+                 torch.bfloat16)
 
 
 @pytest.mark.parametrize(
