@@ -374,13 +374,12 @@ def test_cpu_decode_kernel_reads_no_row_past_the_context(
 
 def test_cpu_decode_kernel_over_long_contexts_matches_the_reference() -> None:
     """Contexts of many 32-token tiles and of none, bf16 at SmolLM2's and Llama-3-8B's heads."""
-    for pool in (Pool(16, num_kv_heads=3, groups=3, head_dim=64, num_blocks=80),
-                 Pool(16, num_kv_heads=2, groups=4, head_dim=128, num_blocks=80)):
+    for pool in (Pool(16, num_kv_heads=3, groups=3, head_dim=64, num_blocks=110),
+                 Pool(16, num_kv_heads=2, groups=4, head_dim=128, num_blocks=110)):
         gen = seeded(18, torch.device("cpu"))
         k_cache, v_cache = pool.caches(torch.bfloat16, gen)
-        lens = torch.tensor([300, 2, 31, 32, 333])
-        q, tables = pool.queries(len(lens), torch.bfloat16, gen), pool.tables(len(lens), 16, torch.int32, gen)
-        lens = lens.clamp(max=16 * pool.block_size)
+        lens = torch.tensor([300, 2, 31, 32, 333])  # 333: 21 blocks, the last one 13 tokens
+        q, tables = pool.queries(len(lens), torch.bfloat16, gen), pool.tables(len(lens), 21, torch.int32, gen)
         out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens.int(), 0.125)
         assert_close(out, paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, tables, lens, 0.125),
                      torch.bfloat16)
