@@ -3,8 +3,8 @@
 - `op`: one layer's decode attention alone (SmolLM2's heads unless told: 3 KV heads x 3 queries, bf16), context in
   random blocks of a 2,000-block pool, median of 50 calls; the reference gathers into a resident workspace as the
   engine's does. With `--layers N`, N pools (one a layer) attended in turn as a step's layers are, so that each
-  call finds its KV out of the caches as in the engine, the time per layer; with `--contiguous`, each sequence's
-  blocks one after another, as the engine's block allocator mostly hands them out.
+  call finds its KV out of the caches as in the engine: the median of 50 // N such passes, per layer; with
+  `--contiguous`, each sequence's blocks one after another, as the engine's block allocator mostly hands them out.
 - `engine` (the default): two engines in one process, `--kernels cpu` and `--kernels torch`, the same prompts; their
   decode steps interleaved (8 of one, then 8 of the other, `--rounds` times) so that both see the same machine noise;
   median step.

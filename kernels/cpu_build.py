@@ -20,9 +20,8 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp",
-                                    "store_kv.cpp")]
-HEADERS = [CSRC / name for name in ("cpu_math.h", "decode_attention_amx.h")]
+SOURCES = sorted(CSRC.glob("*.cpp"))  # every source is built, and every source and header named in the build's hash
+HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
 

@@ -1,13 +1,23 @@
-"""What the paged-attention tests share: seeded generators, a random paged pool with its block tables and queries,
-and the dense per-token oracle."""
+"""What the paged-attention tests share: tolerances per dtype, seeded generators, a random paged pool with its block
+tables and queries, and the dense per-token oracle."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol, per dtype
+DTYPES = pytest.mark.parametrize("dtype", list(TOLERANCES), ids=lambda d: str(d).removeprefix("torch."))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
 def seeded(seed: int, device: torch.device = DEVICE) -> torch.Generator:
