@@ -15,8 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.common.engine_host import EngineHost
+from services.common.step_samples import StepSamples
 from services.common.tasks import BackgroundTasks
-from services.common.warmup import time_decode_steps
+from services.common.warmup import time_decode_steps, time_prefill_steps
 from services.decode.token_gaps import TokenGaps
 from shared.config import EngineSettings
 from shared.engine.engine import EngineFull, LLMEngine, PrefilledRequest, RequestOutput
@@ -96,6 +97,7 @@ class DecodeService:
         self._aborts_applied: set[str] = set()  # of those, the ones the engine has dropped (engine thread's)
         self._prompts: deque[tuple[PrefillTask, SamplingParams]] = deque()  # to prefill here
         self._samples: list[list[float]] = []  # decode step timings since the last heartbeat
+        self._prefill_samples = StepSamples()  # steps that computed prompts and nothing else, since then
         self._moved_bytes = self._moved_tokens = 0  # prompt KV received on the wire since start, and its tokens
         self._lock = threading.Lock()  # _ready, _prompts, _running and _samples are shared with the engine thread
         self._heartbeat = HeartbeatSender(bus, settings.instance_id, Role.DECODE, settings.heartbeat_s, self.load)
@@ -104,6 +106,8 @@ class DecodeService:
 
     async def start(self) -> None:
         if self.settings.warmup and self.settings.engine_kind == "real":  # the first heartbeat carries them
+            for stats in await self.host.call(time_prefill_steps, self.engine):  # prompts are computed here too
+                self._prefill_samples.add(stats)
             samples = await self.host.call(time_decode_steps, self.engine)
             with self._lock:
                 self._samples += samples
@@ -146,6 +150,7 @@ class DecodeService:
             max_batched_tokens=self.engine.config.max_num_batched_tokens,
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks, kv_blocks_total=blocks.num_blocks,
             request_ids=[*running, *self._assembling, *ready, *self.receiver.request_ids()], samples=samples,
+            prefill_samples=self._prefill_samples.take(),
             block_bytes=self.engine.store.block_footprint, kv_format=self.engine.config.kv_format,
             kv_block_tokens=self.engine.config.block_size, kv_moved_bytes=self._moved_bytes,
             kv_moved_tokens=self._moved_tokens, kv_saved_bytes=self._kv_saved_bytes,
@@ -291,15 +296,20 @@ class DecodeService:
         return ([tick] if results or aborted else []), self.engine.has_unfinished()
 
     def _timed_step(self) -> list[RequestOutput]:
-        """One engine step; a pure decode step's time becomes a sample for the scheduler's TBT model."""
+        """One engine step; a pure decode step's time becomes a sample for the scheduler's TBT model, a step of
+        prompts alone one for its prefill model."""
         running = self.engine.scheduler.running
         is_pure_decode = not self.engine.scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in running)
+        is_prompts_only = all(s.num_uncomputed_tokens > 1 for s in [*running, *self.engine.scheduler.waiting])
         batch, context = len(running), sum(s.num_tokens for s in running)
         started = time.perf_counter()
+        last_step = self.engine.last_step
         outputs = self.engine.step()
         if is_pure_decode and batch:
             with self._lock:
                 self._samples.append([float(batch), float(context), time.perf_counter() - started])
+        elif is_prompts_only and self.engine.last_step is not last_step and self.engine.last_step is not None:
+            self._prefill_samples.add(self.engine.last_step)
         return outputs
 
     def _admit_prompts(self) -> list[_Failure]:

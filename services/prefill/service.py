@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.engine_host import EngineHost
+from services.common.step_samples import StepSamples
 from services.common.tasks import BackgroundTasks
 from services.common.warmup import time_prefill_steps
 from services.prefill.fetch import StoreLoader
 from services.prefill.kv_send import LayerSender
-from services.prefill.measure import StepSamples
 from services.prefill.stage import PipelineStage
 from shared.config import EngineSettings
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.engine_host import EngineHost
+from services.common.step_samples import StepSamples
 from services.common.tasks import BackgroundTasks
 from services.prefill.kv_send import LayerSender
-from services.prefill.measure import StepSamples
 from services.prefill.stage_store import StageStore
 from shared.config import EngineSettings
 from shared.engine.engine import LLMEngine, RequestOutput, StepStats

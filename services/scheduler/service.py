@@ -175,6 +175,9 @@ class SchedulerService:
         for sample in msg.samples:
             if len(sample) == 3:
                 cost.add_step(*sample)
+        for sample in msg.prefill_samples if msg.role == Role.DECODE else []:  # prompts computed where decoded
+            if len(sample) == 3:
+                self.prefill_cost.add_step(*sample)
         self._prune_tracked()
 
     def _prune_tracked(self) -> None:

@@ -33,6 +33,7 @@ class Load:
     kv_blocks_total: int = 0
     request_ids: list[str] = field(default_factory=list)
     samples: list[list[float]] = field(default_factory=list)  # see Heartbeat.samples
+    prefill_samples: list[list[float]] = field(default_factory=list)  # see Heartbeat.prefill_samples
     fetch_bytes_per_s: float = 0.0
     block_bytes: int = 0
     kv_format: str = ""

@@ -195,6 +195,9 @@ async def test_a_prompt_sent_to_decode_is_prefilled_there(service: DecodeService
     await asyncio.sleep(0.5)  # a heartbeat or two
     samples = [s for beat in beats for s in beat.samples]
     assert samples and all(len(s) == 3 and s[0] >= 1 and s[2] > 0 for s in samples)  # decode step timings
+    # its prompt ran in a step of its own (nothing else decoded there): a sample for the prefill cost model
+    prompt_steps = [s for beat in beats for s in beat.prefill_samples]
+    assert [s[0] for s in prompt_steps] == [len(prompt)] and prompt_steps[0][2] > 0
     assert all(beat.block_bytes > 0 for beat in beats)
 
 

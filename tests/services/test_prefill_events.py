@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.prefill.measure import MovingRate, StepSamples
+from services.common.step_samples import StepSamples
+from services.prefill.measure import MovingRate
 from shared.engine.blocks import BlockManager
 from shared.engine.engine import StepStats
 from shared.wire.block_hash import block_hashes, make_namespace

@@ -128,6 +128,16 @@ async def test_heartbeat_samples_refit_the_cost_models() -> None:
     assert scheduler.decode_cost.predict(10, 10_000) == pytest.approx(0.12, rel=0.05)
 
 
+async def test_prompts_computed_on_decode_refit_the_prefill_model() -> None:
+    """A colocated deployment has no prefill instance: its prompts are priced from the decode instances' own."""
+    scheduler, _, _ = _service()
+    prior = scheduler.prefill_cost.predict(1000, 0)
+    samples = [[float(n), n * n / 2.0, 0.005 + n / 4000.0] for n in range(50, 2050, 100)]
+    await scheduler.handle_heartbeat(Heartbeat("d0", Role.DECODE, 1, time.time(), prefill_samples=samples))
+    assert scheduler.prefill_cost.predict(1000, 0) == pytest.approx(0.255, rel=0.05) != prior
+    assert scheduler.decode_cost.model.num_samples == 0  # they are not decode steps
+
+
 async def test_ttft_slo_rejects_before_any_work_with_retry_after() -> None:
     scheduler, bus, _ = _service(TSUKIMI_REJECTION="current", TSUKIMI_SLO_TTFT_MS="2000")
     await _cluster(scheduler, _beat("p0", Role.PREFILL, queued=3000), _beat("d0", Role.DECODE))

@@ -35,8 +35,8 @@ from shared.wire.protocol import (
 _SAMPLE_VALUES = {int: 7, float: 0.5, str: "x-1", bool: True, bytes: b"\x00\xffkv"}
 # Fields whose sample must also satisfy the messages' invariants (parts within totals, known kinds and roles, ...).
 _VALID_VALUES = {"seq": 1, "layer_end": 9, "token_end": 9, "kind": "stored", "role": "decode",
-                 "samples": [[1.0, 2.5, 3.0]], "num_cached_tokens": 1, "index": 3, "tag": b"0123456789abcdef",
-                 "start": 1, "pipeline_group": ["x-1", "x-2"]}
+                 "samples": [[1.0, 2.5, 3.0]], "prefill_samples": [[512.0, 4.0, 0.25]], "num_cached_tokens": 1,
+                 "index": 3, "tag": b"0123456789abcdef", "start": 1, "pipeline_group": ["x-1", "x-2"]}
 
 
 def _example(cls: type[Message]) -> Message:
@@ -181,6 +181,7 @@ def test_sender_of_reads_role_and_instance_from_self_describing_subjects() -> No
     (KvChunk, {"raw_size": -1}, "raw_size is negative"),
     (BlockPut, {"block_hash": -5}, "outside 0..2\\*\\*64-1"),
     (Heartbeat, {"samples": [[1.0, float("nan"), 2.0]]}, "step sample"),
+    (Heartbeat, {"prefill_samples": [[512.0, -1.0, 0.2]]}, "step sample"),
     (Heartbeat, {"role": "admin"}, "unknown role"),
     (Heartbeat, {"num_running": -3}, "num_running is negative"),
     (Heartbeat, {"queued_attention_work": -1.0}, "queued_attention_work is negative"),

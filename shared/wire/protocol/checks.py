@@ -207,7 +207,7 @@ def _heartbeat(msg: Heartbeat) -> None:
     namespace = msg.pipeline_namespace
     _require(len(namespace) <= MAX_NAMESPACE_CHARS and namespace.isascii() and namespace.isprintable(), msg.KIND,
              f"a pipeline namespace that is not at most {MAX_NAMESPACE_CHARS} printable ASCII characters")
-    ok = all(len(s) == 3 and all(math.isfinite(v) and v >= 0 for v in s) for s in msg.samples)
+    ok = all(len(s) == 3 and all(math.isfinite(v) and v >= 0 for v in s) for s in msg.samples + msg.prefill_samples)
     _require(ok, msg.KIND, "a step sample that is not three finite, non-negative numbers")
 
 

@@ -145,7 +145,7 @@ class Heartbeat(Message):
     holds now, so the scheduler can fail them if the instance dies.
     """
 
-    VERSION: ClassVar[int] = 9
+    VERSION: ClassVar[int] = 10
 
     instance_id: str
     role: str
@@ -164,6 +164,10 @@ class Heartbeat(Message):
     # (sum over the step's new tokens of the context each attends to), seconds]; decode: [batch size, total context
     # tokens, seconds].
     samples: list[list[float]] = field(default_factory=list)
+    # Decode: its steps that computed prompts and no decoding row (its warm-up's, or prompts computed there while
+    # nothing decoded), in the form of prefill's samples: what a prompt costs where it is decoded (conditional
+    # disaggregation, a colocated deployment) is priced from the instance's own hardware.
+    prefill_samples: list[list[float]] = field(default_factory=list)
     fetch_bytes_per_s: float = 0.0  # prefill: measured cache-store -> prefill bandwidth (0: not measured yet)
     block_bytes: int = 0  # prefill and decode: bytes of one KV block (all layers), for transfer-time estimates
     # KV figures for /metrics. kv_format: how the engine stores KV blocks (EngineConfig.kv_format); kv_block_tokens:
