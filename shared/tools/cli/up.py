@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from shared.config import (
+    COLOCATED_POLICIES,
     ENGINES,
     POLICIES,
     REJECTION_MODES,
@@ -40,6 +41,14 @@ DESCRIPTION = """\
 Run tsukimi on this machine: an embedded nats-server (unless --nats-url is given), then the gateway, the scheduler,
 N prefill, N decode and N cache-store shards, each a `python -m services.<name>` process. When the gateway's
 GET /health answers 200 it prints the API's URL. Ctrl-C (or SIGTERM) stops everything within 10 s.
+
+Which engines: where the model runs on this machine's CPU (no NVIDIA GPU, or TSUKIMI_DEVICE=cpu) and no topology is
+given, 2 colocated instances, each prefilling and decoding its own requests on half the cores (as --colocated 2).
+On a CPU prefill and decode share the cores and the memory bandwidth whatever the topology, and two such instances
+keep both busy, where a prefill/decode pair leaves prefill's core idle while decode is the bottleneck (2-core Xeon,
+32 streams: 1.26x the pair's output rate; docs/experiments/peers.md). --prefill N --decode N run Mooncake's
+disaggregated pools (the default with a GPU, with --engine sim, or with the conductor policy), which pay where
+prefill and decode get hardware of their own.
 
 Each process writes its output to DIR/<instance>.log (--log-dir; default: a new temporary folder, printed at start);
 the terminal shows only what needs attention. A process that exits is restarted after 0.5 s, doubling up to 10 s
@@ -69,6 +78,12 @@ KV_MEMORY_SHARED = 0.5  # the share of available memory the engines' auto-sized 
 # computed where they decode, whenever the Conductor predicts that faster and within the TBT SLO (on a 2-core EPYC,
 # 32 streams: TTFT p50 8.5 -> 0.8 s, 52 -> 108 of 128 requests within both SLOs; docs/experiments/peers.md).
 LOCAL_PREFILL_TOKENS_ONE_MACHINE = 512
+# Where the engines compute on this machine's CPU, prefill and decode share its cores and memory bandwidth whatever
+# the topology; two colocated instances (each prefilling and decoding, a half of the cores each) then keep both cores
+# on the work at hand, where a prefill/decode pair leaves the prefill core idle while decode is the bottleneck (2-core
+# Xeon with AMX, 32 streams: 349 against 276 output tok/s, vLLM's CPU build 289; docs/experiments/peers.md).
+# Disaggregation pays where prefill and decode get hardware of their own: GPUs, or several machines.
+CPU_DEFAULT_COLOCATED = 2
 STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
 STOP_NATS_S = 1.5
 
@@ -78,13 +93,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "up", help="run the whole system locally (OpenAI-compatible API)", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--prefill", type=positive_int, metavar="N", help="prefill instances (default: 1)")
-    parser.add_argument("--decode", type=positive_int, metavar="N", help="decode instances (default: 1)")
+    parser.add_argument("--prefill", type=positive_int, metavar="N",
+                        help="prefill instances (default: 1; none on a CPU: see above)")
+    parser.add_argument("--decode", type=positive_int, metavar="N",
+                        help="decode instances (default: 1; none on a CPU: see above)")
     parser.add_argument(
         "--colocated", type=positive_int, metavar="N",
         help="instead of prefill and decode pools, N instances that each prefill (chunked, with their own prefix "
-             "cache) and decode their requests: the vLLM-style baseline; route with --policy round_robin, "
-             "least_loaded or random",
+             "cache) and decode their requests, as vLLM serves; route with --policy round_robin, least_loaded or "
+             "random (default on a CPU: 2, least_loaded)",
     )
     parser.add_argument(
         "--cpp-group", type=positive_int, metavar="N",
@@ -146,6 +163,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def run(args: argparse.Namespace) -> int:
     if args.startup_timeout <= 0:
         raise CliError(f"--startup-timeout must be positive, got {args.startup_timeout}")
+    if _colocated_by_default(args):
+        args.colocated = CPU_DEFAULT_COLOCATED
+        say(f"{CPU_DEFAULT_COLOCATED} colocated instances: the default where the model runs on the CPU (disaggregated "
+            "pools: --prefill 1 --decode 1)")
     overrides = _scheduling_env(args) | _deployment_env(args)
     settings = _environment_settings(overrides)
     topology = dataclasses.replace(_topology(args, settings), extra_env=tuple(sorted(overrides.items())))
@@ -176,7 +197,7 @@ def _run(
         topology = dataclasses.replace(topology, nats_url=f"nats://127.0.0.1:{nats_port}")
         config = auth.server_config_file(nats_port, Subjects(settings.subject_prefix))
         infra_specs.append(nats_process_spec(nats_binary, config))
-    counts = ", ".join(f"{topology.count(s)} {s.name}" for s in SERVICES)
+    counts = ", ".join(f"{count} {s.name}" for s in SERVICES if (count := topology.count(s)))
     access = "a password per role" if auth is not None else "the TSUKIMI_NATS_* credentials"
     say(f"starting {counts} on NATS {redact_url(topology.nats_url)} ({access}); logs in {log_dir}")
     if settings.engine_kind == "real":
@@ -269,6 +290,22 @@ def _deployment_env(args: argparse.Namespace) -> dict[str, str]:
         if args.policy is None and "TSUKIMI_POLICY" not in os.environ:
             env["TSUKIMI_POLICY"] = "least_loaded"
     return env
+
+
+def _colocated_by_default(args: argparse.Namespace) -> bool:
+    """No topology asked for (--prefill, --decode, --colocated, --cpp-group, TSUKIMI_DEPLOYMENT), no policy that
+    needs a prefill pool, and the model's engines on the CPU: `CPU_DEFAULT_COLOCATED` colocated instances."""
+    if args.prefill or args.decode or args.colocated or args.cpp_group or "TSUKIMI_DEPLOYMENT" in os.environ:
+        return False
+    policy = args.policy or os.environ.get("TSUKIMI_POLICY")
+    engine = args.engine or os.environ.get("TSUKIMI_ENGINE", "real")
+    return engine == "real" and (policy is None or policy in COLOCATED_POLICIES) and _engines_on_cpu()
+
+
+def _engines_on_cpu() -> bool:
+    """TSUKIMI_DEVICE says cpu, or auto on a machine without an NVIDIA GPU (seen without importing torch)."""
+    device = os.environ.get("TSUKIMI_DEVICE", "auto")
+    return device == "cpu" or (device == "auto" and not any(Path("/dev").glob("nvidia[0-9]*")))
 
 
 def engine_threads(num_engines: int) -> int:
