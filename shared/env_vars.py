@@ -118,6 +118,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_REQUEST_TIMEOUT_S", "300", "gateway gives up on a request silent this long"),
         EnvVar("TSUKIMI_PROGRESS_TIMEOUT_S", "15",
                "gateway fails a request (503) with no stream event this long while no live instance holds it"),
+        EnvVar("TSUKIMI_MIGRATION_LIMIT", "3",
+               "times the gateway places a request again after the instance holding it was lost (0: never): before "
+               "its first token it runs again, mid-answer it goes on from the next token elsewhere"),
         EnvVar("TSUKIMI_HTTP_READ_TIMEOUT_S", "30",
                "gateway closes a connection whose request headers or body take longer, or that idles this long"),
         EnvVar("TSUKIMI_API_KEYS_FILE", "", "JSON file of hashed API keys (tsukimi keys add); empty: no API keys"),

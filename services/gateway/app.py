@@ -43,8 +43,8 @@ Parser = Callable[[dict[str, Any]], ChatRequest | CompletionRequest]
 @dataclass(frozen=True)
 class GatewayConfig:
     """HTTP-side settings (from `GatewaySettings`: block_size, request_timeout_s, max_body_bytes, progress_timeout_s,
-    http_read_timeout_s, and the keys of TSUKIMI_API_KEYS_FILE; None: no keys needed). `health_roles` from the
-    deployment: a colocated one has no prefill pool."""
+    http_read_timeout_s, migration_limit, and the keys of TSUKIMI_API_KEYS_FILE; None: no keys needed).
+    `health_roles` from the deployment: a colocated one has no prefill pool."""
 
     block_size: int = 64
     request_timeout_s: float = 300.0
@@ -53,6 +53,7 @@ class GatewayConfig:
     progress_timeout_s: float = 15.0
     http_read_timeout_s: float = 30.0
     api_keys: ApiKeys | None = None
+    migration_limit: int = 3
 
 
 class Gateway:
@@ -172,7 +173,8 @@ class Gateway:
             tbt_slo_s=options.slo_tbt_ms / 1000 if options.slo_tbt_ms else None,
         )
         deadlines = Deadlines(self.config.request_timeout_s, self.config.progress_timeout_s)
-        return Session(self.backend, submit, deadlines, RequestTimer(self.metrics, time.monotonic()))
+        return Session(self.backend, submit, deadlines, RequestTimer(self.metrics, time.monotonic()),
+                       self.config.migration_limit, self.prompts.hashes)
 
     async def _answer(
         self, request: web.Request, session: Session, parsed: ChatRequest | CompletionRequest, id_prefix: str

@@ -151,11 +151,15 @@ class GatewayMetrics:
         "tsukimi_gateway_generation_tokens_total", "output tokens streamed to clients"))
     rejections: Counter = field(default_factory=lambda: Counter(
         "tsukimi_gateway_rejections_total", "requests the scheduler refused, by reason", ("reason",)))
+    placed_again: Counter = field(default_factory=lambda: Counter(
+        "tsukimi_gateway_requests_placed_again_total",
+        "requests placed again after the instance holding them was lost, by stage: before_first_token, mid_answer",
+        ("stage",)))
 
     def render(self) -> str:
         metrics: list[_Metric] = [
             self.requests, self.ttft, self.itl, self.e2e, self.in_flight, self.queue_depth,
-            self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.rejections,
+            self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.rejections, self.placed_again,
         ]
         return "\n".join(line for m in metrics for line in m.render()) + "\n"
 

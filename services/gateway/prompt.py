@@ -99,4 +99,8 @@ class PromptBuilder:
                 f"{len(ids)} prompt tokens plus max_tokens={max_tokens} exceed the context of "
                 f"{self.model.context_len} tokens", "max_tokens", "context_length_exceeded",
             )
-        return PreparedPrompt(ids, block_hashes(ids, self.block_size, self.namespace), sampling)
+        return PreparedPrompt(ids, self.hashes(ids), sampling)
+
+    def hashes(self, ids: list[int]) -> list[int]:
+        """The block hashes of a prompt of these token ids (its full blocks)."""
+        return block_hashes(ids, self.block_size, self.namespace)

@@ -1,10 +1,13 @@
-"""One request's life on the backend: open its stream, submit, relay its events in `index` order, and always
-clean up (cancel what did not finish, close the stream). HTTP framing is app.py's job.
+"""One request's life on the backend: open its stream, submit, relay its events in `index` order, place it again
+when the instance holding it is lost (mid-answer: the tokens the client has become the end of its prompt, and the
+answer goes on from the next), and always clean up (cancel what did not finish, close the stream). HTTP framing is
+app.py's job.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import time
@@ -25,6 +28,10 @@ MIN_WAIT_S = 0.01  # a wait of 0 would not even look at events already queued
 # A stream has one writer at a time (prefill until the request's hand-off ends, decode from then on), so its events
 # come in order unless one is lost in transit (a NATS restart); later ones held back this long mean it will never come.
 STREAM_GAP_S = 5.0
+# Failures of where the request ran, not of the request: the instance holding it was lost (or cancelled it because
+# another was), or its prompt's KV did not reach decode. Placed again, it goes on from the last token the client has.
+PLACE_AGAIN_ON = (ErrorType.UNAVAILABLE, ErrorType.KV_TRANSFER)
+Hasher = Callable[[list[int]], list[int]]  # a prompt's block hashes, as the gateway names its full blocks
 
 
 @dataclass(frozen=True)
@@ -97,13 +104,24 @@ class Session:
         request: what to submit.
         deadlines: how long the stream may go quiet: lost (503) or silent (504).
         timer: records TTFT, inter-token and end-to-end latency.
+        migration_limit: how many times a request whose instance was lost is placed again (as `<request id>-r<n>`,
+            with a stream of its own); past it, the failure reaches the client.
+        hasher: the block hashes of a prompt; without it, a request is placed again only before its first token.
     Raises (on entry):
         ApiError: rejected (429 + Retry-After), no scheduler or no instance (503), or another reported failure.
     """
 
-    def __init__(self, backend: Backend, request: SubmitRequest, deadlines: Deadlines, timer: RequestTimer) -> None:
+    def __init__(self, backend: Backend, request: SubmitRequest, deadlines: Deadlines, timer: RequestTimer,
+                 migration_limit: int = 0, hasher: Hasher | None = None) -> None:
         self.backend, self.request, self.deadlines, self.timer = backend, request, deadlines, timer
-        self.request_id = request.request_id
+        self.first_request = request
+        self.first_request_id = request.request_id  # the gateway's id: the response's, and every log line's prefix
+        self.hasher = hasher
+        self.output_ids: list[int] = []  # every token the client has been sent
+        self.num_moved_tokens = 0  # of those, the ones the current placement has as the end of its prompt
+        self.request_id = request.request_id  # the backend's id of the current placement
+        self.migration_limit = migration_limit
+        self.num_placements = 0  # after the first: times it was placed again
         self.watch: ProgressWatch | None = None
         self.is_accepted = False
         self.reorderer = Reorderer()
@@ -165,9 +183,57 @@ class Session:
             while not self.ready:
                 self.ready = await self._next_in_order()
             event = self.ready.pop(0)
+            if self._may_place_again(event):
+                await self._place_again(event)
+                continue
             delta = self._apply(event)
             if delta is not None:
                 return delta
+
+    def _may_place_again(self, event: StreamEvent) -> bool:
+        done = len(self.output_ids)
+        return (event.error_type in PLACE_AGAIN_ON and self.num_placements < self.migration_limit
+                and (not done or (self.hasher is not None and done < self.first_request.sampling.max_tokens)))
+
+    async def _place_again(self, failure: StreamEvent) -> None:
+        """The request failed where it ran, not for what it asks: submit it again under a new id, on a stream of
+        its own (late events of the failed placement go nowhere). Mid-answer, the tokens the client has end its
+        prompt (the scheduler finds their KV where it is cached) and it asks for the rest: `max_tokens` and
+        `min_tokens` less those, seeded draws from their position on (`SamplingParams.output_offset`). Not carried
+        over: a stop string begun before the move and ended after it, and the bytes of a character split across the
+        move (byte-level tokenizers only split characters outside ASCII).
+
+        Raises:
+            ApiError: the scheduler refuses it now (429, 503) or does not answer (503).
+        """
+        assert self.stream is not None
+        self.num_placements += 1
+        failed_id = self.request_id
+        self.request_id = f"{self.first_request_id}-r{self.num_placements}"
+        done = len(self.output_ids)
+        log.warning("placing the request again", request_id=failed_id, new_request_id=self.request_id,
+                    placement=self.num_placements + 1, tokens_sent=done, error_type=failure.error_type,
+                    error=failure.error)
+        await self.backend.cancel(failed_id, "placed again")  # whatever survives of it stops
+        stream, self.stream = self.stream, None
+        await stream.close()
+        self.stream = await self.backend.open_stream(self.request_id)
+        self.request = self._rest_of(self.request_id, done)
+        self.num_moved_tokens = done
+        self.reorderer, self.ready = Reorderer(), []
+        self.timer.metrics.placed_again.inc(stage="mid_answer" if done else "before_first_token")
+        await self._submit()
+
+    def _rest_of(self, request_id: str, done: int) -> SubmitRequest:
+        """The first request under `request_id`, less the `done` tokens the client has (they end its prompt)."""
+        first = dataclasses.replace(self.first_request, request_id=request_id, num_placed_before=self.num_placements)
+        if not done:
+            return first
+        assert self.hasher is not None
+        prompt = [*first.prompt_ids, *self.output_ids]
+        sampling = dataclasses.replace(first.sampling, max_tokens=first.sampling.max_tokens - done,
+                                       min_tokens=max(first.sampling.min_tokens - done, 0), output_offset=done)
+        return dataclasses.replace(first, prompt_ids=prompt, block_hashes=self.hasher(prompt), sampling=sampling)
 
     async def _next_in_order(self) -> list[StreamEvent]:
         assert self.stream is not None and self.watch is not None, "use Session inside `async with`"
@@ -208,9 +274,13 @@ class Session:
             raise from_error_type(event.error_type, event.error)
         if event.finish_reason == "abort":
             raise unavailable("the request was aborted by the server")
-        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        # Usage counts the client's prompt and what the client received: not the tokens a placement mid-answer
+        # has as the end of its prompt.
+        num_prompt_tokens = event.num_prompt_tokens - self.num_moved_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, min(event.num_cached_tokens, num_prompt_tokens))
         self.kv_bytes_saved = event.kv_bytes_saved or self.kv_bytes_saved  # the latest decode figure
-        self.num_prompt_tokens = max(self.num_prompt_tokens, event.num_prompt_tokens)
+        self.num_prompt_tokens = max(self.num_prompt_tokens, num_prompt_tokens)
+        self.output_ids += event.token_ids
         self.num_output_tokens += len(event.token_ids)
         self.timer.tokens(len(event.token_ids))
         if event.finish_reason:

@@ -35,8 +35,9 @@ class Slos:
 
 
 def admit(request: SubmitRequest, placement: Placement, view: ClusterView, slos: Slos) -> Verdict:
-    """Accept, or reject with a reason and a `Retry-After` hint."""
-    if slos.mode == "off":
+    """Accept, or reject with a reason and a `Retry-After` hint. A request placed again after its instance was lost
+    is work already accepted: its client is waiting, maybe mid-answer."""
+    if slos.mode == "off" or request.num_placed_before:
         return Verdict(True)
     ttft_slo, tbt_slo = slos.for_request(request)
     ttft = placement.prefill.ttft_s

@@ -44,6 +44,7 @@ class GatewaySettings(ServiceSettings):
     max_body_bytes: int
     request_timeout_s: float
     progress_timeout_s: float
+    migration_limit: int
     http_read_timeout_s: float
     api_keys_file: str | None
     insecure_http: bool

@@ -154,7 +154,8 @@ class ModelRunner:
             if self.num_decodable < logits.shape[-1]:
                 logits[:, self.num_decodable :] = float("-inf")
             self._suppress_early_eos(logits, seqs)
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+        positions = [s.params.output_offset + s.num_output_tokens for s in seqs]  # of the whole answer
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], positions)
         self.tokens_ready_at = time.perf_counter()
         return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
 

@@ -105,6 +105,17 @@ def test_same_seed_same_output_other_seed_differs(checkpoint, engine):
     assert a != c
 
 
+def test_a_seeded_answer_moved_mid_way_goes_on_as_it_would_have(checkpoint, engine):
+    """Placed again after 5 tokens (they end its prompt, `output_offset` 5), a seeded request draws what it would
+    have drawn in one piece."""
+    ids = checkpoint.tokenizer.encode("Write a short poem about the moon:")
+    whole = _alone(engine, ids, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7)).token_ids
+    rest = SamplingParams(max_tokens=11, temperature=1.0, top_p=0.95, seed=7, output_offset=5)
+    assert _alone(engine, [*ids, *whole[:5]], rest).token_ids == whole[5:]
+    restarted = SamplingParams(max_tokens=11, temperature=1.0, top_p=0.95, seed=7)  # drawing from position 0 again
+    assert _alone(engine, [*ids, *whole[:5]], restarted).token_ids != whole[5:]
+
+
 def test_stop_string_truncates_text(checkpoint, engine):
     ids = checkpoint.tokenizer.encode(STORY)
     full = _alone(engine, ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)).text

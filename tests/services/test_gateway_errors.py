@@ -200,7 +200,8 @@ async def test_a_failure_mid_stream_is_an_sse_error_then_done(checkpoint: Any) -
         ]
 
     backend = FakeBackend(fail_late)
-    async with serving(checkpoint, backend) as (client, _):
+    never_moved = GatewayConfig(block_size=16, migration_limit=0)  # else it moves (test_gateway_placed_again.py)
+    async with serving(checkpoint, backend, never_moved) as (client, _):
         resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         assert resp.status == 200
         payloads = sse_payloads(await resp.text())

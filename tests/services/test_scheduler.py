@@ -4,6 +4,7 @@ the SLOs (current vs predicted decode load), the Conductor's cache and load trad
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -149,6 +150,17 @@ async def test_ttft_slo_rejects_before_any_work_with_retry_after() -> None:
     await scheduler.handle_heartbeat(_beat("p0", Role.PREFILL, queued=0))
     assert (await scheduler.handle_submit(_submit("r2", 300))).accepted
     assert not (await scheduler.handle_submit(_submit("r3", 300, ttft_slo_s=0.05))).accepted
+
+
+async def test_a_request_placed_again_is_not_judged_again() -> None:
+    """Its instance was lost: its client is waiting (maybe mid-answer) on work already accepted."""
+    scheduler, bus, _ = _service(TSUKIMI_REJECTION="current", TSUKIMI_SLO_TTFT_MS="2000")
+    await _cluster(scheduler, _beat("p0", Role.PREFILL, queued=3000), _beat("d0", Role.DECODE))
+    assert not (await scheduler.handle_submit(_submit("r1", 500))).accepted
+    moved = dataclasses.replace(_submit("r1-r1", 500), num_placed_before=1)
+    reply = await scheduler.handle_submit(moved)
+    assert reply.accepted and reply.prefill_id == "p0" and scheduler.num_rejected == {"ttft_slo": 1}
+    assert [m.request_id for _, m in bus.published if isinstance(m, PrefillTask)] == ["r1-r1"]
 
 
 async def test_predicted_mode_admits_what_current_load_would_refuse() -> None:

@@ -83,6 +83,9 @@ def test_sampling_travels_as_it_is_and_names_a_bad_field() -> None:
     with pytest.raises(SamplingError) as excinfo:
         SamplingParams(max_tokens=4, min_tokens=5)
     assert excinfo.value.field == "min_tokens"
+    with pytest.raises(SamplingError) as excinfo:
+        SamplingParams(output_offset=-1)
+    assert excinfo.value.field == "output_offset"
     bad = msgpack.packb(["sampling", 1, {"max_tokens": 0}])
     with pytest.raises(ProtocolError, match="sampling: max_tokens must be at least 1"):
         decode(bad)

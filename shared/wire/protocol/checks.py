@@ -93,6 +93,7 @@ def _submit(msg: SubmitRequest) -> None:
     _finite(msg.KIND, arrival_time=msg.arrival_time, ttft_slo_s=msg.ttft_slo_s, tbt_slo_s=msg.tbt_slo_s)
     for name, slo in (("ttft_slo_s", msg.ttft_slo_s), ("tbt_slo_s", msg.tbt_slo_s)):
         _require(slo is None or slo > 0, msg.KIND, f"{name} must be positive")
+    _non_negative(msg.KIND, num_placed_before=msg.num_placed_before)
 
 
 @invariants(SubmitReply)

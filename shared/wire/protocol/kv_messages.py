@@ -40,6 +40,8 @@ class HandoffStart(Message):
     ends the stream.
     """
 
+    VERSION: ClassVar[int] = 2  # SamplingParams.output_offset
+
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams

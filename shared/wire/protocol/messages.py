@@ -37,7 +37,14 @@ class ErrorType(enum.StrEnum):
 @message("submit")
 @dataclass(frozen=True)
 class SubmitRequest(Message):
-    """gateway -> scheduler (request/reply on `sched.submit`): place this request. Reply: `SubmitReply`."""
+    """gateway -> scheduler (request/reply on `sched.submit`): place this request. Reply: `SubmitReply`.
+
+    `num_placed_before`: how many times it was placed already, its instance then lost (the gateway places it again;
+    `SamplingParams.output_offset` says how much of the answer its client has). Work already accepted: the scheduler
+    places it without judging the SLOs again.
+    """
+
+    VERSION: ClassVar[int] = 2  # num_placed_before, SamplingParams.output_offset
 
     request_id: str
     prompt_ids: list[int]
@@ -46,6 +53,7 @@ class SubmitRequest(Message):
     arrival_time: float  # unix seconds at the gateway
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    num_placed_before: int = 0
 
 
 @message("submit-reply")
@@ -75,7 +83,7 @@ class PrefillTask(Message):
     cache-store holds beyond the local cache (the Conductor's balancing decision).
     """
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3  # SamplingParams.output_offset
     request_id: str
     prompt_ids: list[int]
     block_hashes: list[int]

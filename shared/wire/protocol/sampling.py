@@ -33,6 +33,9 @@ class SamplingParams(Message):
         stop: strings that end generation; the matched string is not part of the output.
         ignore_eos: keep generating through end-of-sequence tokens.
         min_tokens: end-of-sequence tokens cannot be sampled until this many tokens were generated.
+        output_offset: tokens of the answer generated before this placement (a request placed again after its
+            instance was lost mid-answer, those tokens now ending its prompt): a seeded request's draws go on from
+            there, as if the same engine had drawn them all.
     Raises:
         SamplingError: a value outside its range, naming the field.
     """
@@ -45,6 +48,7 @@ class SamplingParams(Message):
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -57,6 +61,8 @@ class SamplingParams(Message):
             raise SamplingError("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingError("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.output_offset < 0:
+            raise SamplingError("output_offset", f"output_offset must be >= 0, got {self.output_offset}")
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must not be empty")
 
