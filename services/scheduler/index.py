@@ -1,5 +1,6 @@
 """The global block index: which blocks each prefill instance's local cache and each cache-store shard hold, kept
-from their KV events, resynced from a snapshot on a gap in an instance's events or a new epoch.
+from their KV events, resynced from a snapshot on a gap in an instance's events, a new epoch, or an instance that joins
+a scheduler started after it.
 
 It answers prefix questions for placement; it does not decide anything.
 """
@@ -38,6 +39,10 @@ class BlockIndex:
             # Joined late, or a restart whose first events we missed: learn the state from a snapshot.
             self._holdings[event.instance_id] = _Holdings(event.epoch, -1, resyncing=True, buffered=[event])
             return True
+        if held.resyncing and event.seq == 0 and held.last_seq == -1 and not held.buffered:
+            held.resyncing = False  # asked for on joining, but here is its first event: nothing was missed
+            _apply(held, event)
+            return False
         if held.resyncing:
             held.buffered.append(event)
             return False
@@ -54,6 +59,8 @@ class BlockIndex:
         held = self._holdings.get(snapshot.instance_id)
         if held is not None and held.epoch != snapshot.epoch and held.buffered:
             return  # a newer epoch began meanwhile; its own snapshot is on its way
+        if held is not None and not held.resyncing and held.epoch == snapshot.epoch and held.last_seq >= snapshot.seq:
+            return  # its events since told as much
         buffered = held.buffered if held is not None else []
         fresh = _Holdings(snapshot.epoch, snapshot.seq, set(snapshot.block_hashes))
         self._holdings[snapshot.instance_id] = fresh
@@ -61,9 +68,22 @@ class BlockIndex:
             if event.epoch == snapshot.epoch and event.seq > fresh.last_seq:
                 _apply(fresh, event)  # a gap among buffered events is caught by the next live one
 
+    def needs_snapshot(self, instance_id: str, epoch: int) -> bool:
+        """An instance joined whose holdings in `epoch` this index does not know: a scheduler started after it (a
+        restarted one) has heard none of its past events. True: its events are buffered from now and the caller asks
+        for a snapshot (then `load_snapshot`, or `resync_failed`)."""
+        held = self._holdings.get(instance_id)
+        if held is not None and held.epoch == epoch:
+            return False
+        self._holdings[instance_id] = _Holdings(epoch, -1, resyncing=True)
+        return True
+
     def resync_failed(self, instance_id: str) -> None:
-        """No snapshot came: drop what we knew (placing on stale data is worse than on none)."""
-        self._holdings.pop(instance_id, None)
+        """No snapshot came: drop what we knew (placing on stale data is worse than on none), unless its events have
+        told it all meanwhile."""
+        held = self._holdings.get(instance_id)
+        if held is not None and held.resyncing:
+            del self._holdings[instance_id]
 
     def forget(self, instance_id: str) -> None:
         self._holdings.pop(instance_id, None)

@@ -169,6 +169,9 @@ class SchedulerService:
             log.info("instance joined", instance_id=msg.instance_id, role=msg.role, epoch=msg.epoch)
             if previous is not None:  # restarted before its silence was noticed: what the old process held is lost
                 await self._fail_instance(previous.last, forget_cache=False)
+            holds_blocks = msg.role in (Role.PREFILL, Role.CACHE_STORE)  # (a restarted scheduler learns them now)
+            if holds_blocks and self.index.needs_snapshot(msg.instance_id, msg.epoch):
+                self.tasks.spawn(self._resync(msg.role, msg.instance_id), f"resync-{msg.instance_id}")
         if msg.role not in (Role.PREFILL, Role.DECODE):
             return
         cost = self.prefill_cost if msg.role == Role.PREFILL else self.decode_cost

@@ -184,3 +184,42 @@ async def test_a_restarted_cache_store_serves_its_ssd_blocks_to_the_conductor(sy
     assert cached > 0.5 * again[2]["usage"]["prompt_tokens"]
     logs = [p.read_text() for p in system.log_dir.glob("prefill-*.log")]
     assert any("prefix fetched from the cache-store" in log for log in logs), "the prefix should come from the store"
+
+
+async def test_a_killed_scheduler_is_back_with_the_block_index_and_fails_nothing_placed(system: System) -> None:
+    """Its supervisor restarts it; the requests it had placed go on meanwhile, new ones get 503 with Retry-After
+    until it answers, and it learns the cache-store's blocks from a snapshot (the prefix is fetched, not redone)."""
+    document = "Explain this text:\n" + TEXTS[0][6000:9000]
+    fetched = "prefix fetched from the cache-store"
+    async with aiohttp.ClientSession() as session:
+        first = await _post(session, system, _chat(document))
+        assert first[0] == 200
+        await asyncio.sleep(2.0)  # its blocks reach the store
+        for i in range(4):  # out of both prefill instances' local caches
+            evictor = _chat(f"Evictor {i}:\n" + TEXTS[1][10_000 + i * 2500 : 10_000 + i * 2500 + 2800])
+            assert (await _post(session, system, evictor))[0] == 200
+        body = _chat("Tell me about the moon.", max_tokens=48, ignore_eos=True, stream=True,
+                     stream_options={"include_usage": True})
+        async with session.post(system.base_url + "/v1/chat/completions", json=body) as response:
+            lines = response.content.__aiter__()
+            head = [(await lines.__anext__()).decode().strip() for _ in range(3)]  # placed, decoding
+            os.kill(system.service_pids()["scheduler-0"], signal.SIGKILL)
+            killed_at = time.monotonic()
+            refused = 0
+            while True:  # new requests: refused with Retry-After until a scheduler answers
+                status, headers, _ = await _post(session, system, _chat("Say hi."))
+                if status == 200:
+                    break
+                assert status == 503 and int(headers["Retry-After"]) >= 1, (status, headers)
+                assert time.monotonic() - killed_at < 60, "no scheduler came back"
+                refused += 1
+                await asyncio.sleep(0.1)
+            back_s = time.monotonic() - killed_at
+            tail = [line.decode().strip() async for line in lines if line.strip()]
+        assert _answer([*head, *tail])[1] == 48  # placed before the kill: untouched
+        logs_before = sum(p.read_text().count(fetched) for p in system.log_dir.glob("prefill-*.log"))
+        again = await _post(session, system, _chat(document))
+    assert again[0] == 200
+    assert again[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0.5 * again[2]["usage"]["prompt_tokens"]
+    assert sum(p.read_text().count(fetched) for p in system.log_dir.glob("prefill-*.log")) > logs_before
+    print(f"scheduler killed: answering again after {back_s:.1f} s, {refused} requests refused meanwhile")

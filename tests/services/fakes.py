@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shared.wire.protocol import Message, Subjects
+from shared.wire.bus import BusError
+from shared.wire.protocol import Message, Snapshot, SnapshotRequest, Subjects
 
 
 class RecordingBus:
@@ -12,6 +13,14 @@ class RecordingBus:
         self.subjects = Subjects(prefix)
         self.published: list[tuple[str, Message]] = []
         self.max_payload = 1 << 20
+        self.snapshots: dict[str, Snapshot] = {}  # what a snapshot request answers; others: no responders
+        self.requested: list[tuple[str, Message]] = []
+
+    async def request(self, subject: str, msg: Message, reply_type: type[Message], timeout_s: float = 5.0) -> Message:
+        self.requested.append((subject, msg))
+        if isinstance(msg, SnapshotRequest) and msg.instance_id in self.snapshots:
+            return self.snapshots[msg.instance_id]
+        raise BusError(f"no responders on {subject}")
 
     async def publish(self, subject: str, msg: Message) -> None:
         self.published.append((subject, msg))

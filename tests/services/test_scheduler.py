@@ -20,6 +20,7 @@ from shared.wire.protocol import (
     PrefillTask,
     Role,
     SamplingParams,
+    Snapshot,
     StreamEvent,
     SubmitRequest,
 )
@@ -194,6 +195,25 @@ async def test_conductor_trades_cache_hits_against_queues() -> None:
     assert other.prefill_id == "p0"
     task = bus.on(bus.subjects.prefill_run("p0"))[-1]
     assert isinstance(task, PrefillTask) and task.fetch_from_pool
+
+
+async def test_a_restarted_scheduler_learns_the_caches_from_their_snapshots() -> None:
+    """Instances that were there before it: their first heartbeat asks for their blocks, and the Conductor places by
+    them at once (issue 23: a restarted scheduler takes over with the block index)."""
+    scheduler, bus, _ = _service(TSUKIMI_POLICY="conductor", TSUKIMI_LOCAL_PREFILL_TOKENS="0")
+    hashes = list(range(1000, 1016))  # a 1024-token prompt's 16 blocks
+    bus.snapshots["p1"] = Snapshot("p1", 1, 30, hashes[:12])
+    bus.snapshots["c0"] = Snapshot("c0", 1, 41, hashes)
+    await _cluster(scheduler, _beat("p0", Role.PREFILL), _beat("p1", Role.PREFILL), _beat("d0", Role.DECODE),
+                   _beat("c0", Role.CACHE_STORE))
+    for _ in range(3):
+        await asyncio.sleep(0)  # the resyncs run
+    assert sorted(m.instance_id for _, m in bus.requested) == ["c0", "p0", "p1"]  # p0 did not answer: none known
+    assert scheduler.index.prefix_len("p1", hashes) == 12
+    assert scheduler.index.pool_prefix_len(["c0"], hashes) == 16
+    reply = await scheduler.handle_submit(_submit("r1", 1024, hashes=hashes))
+    task = bus.on(bus.subjects.prefill_run(reply.prefill_id))[-1]
+    assert isinstance(task, PrefillTask) and (task.fetch_from_pool or reply.prefill_id == "p1")  # reused, not redone
 
 
 async def test_conductor_prefills_a_short_prompt_on_decode_when_prefill_is_busy() -> None:

@@ -1,5 +1,5 @@
-"""The scheduler's global block index: events apply in order; a gap or a new epoch asks for a snapshot, and events
-that arrive meanwhile are replayed on top of it."""
+"""The scheduler's global block index: events apply in order; a gap, a new epoch or an instance joining a scheduler
+started after it asks for a snapshot, and events that arrive meanwhile are replayed on top of it."""
 
 from __future__ import annotations
 
@@ -41,5 +41,27 @@ def test_a_new_epoch_voids_what_was_known() -> None:
     assert index.apply(KvEvent("c0", 3, 5, "stored", [8]))
     index.load_snapshot(Snapshot("c0", 3, 5, [7, 8]))
     assert index.holds("c0", 8) and index.num_blocks("c0") == 2
-    index.resync_failed("c0")
+    index.resync_failed("c0")  # a late answer to an older request: the snapshot since stands
+    assert index.num_blocks("c0") == 2
+    assert index.apply(KvEvent("c0", 3, 9, "stored", [9]))  # a gap: the old blocks kept until a snapshot...
+    index.resync_failed("c0")  # ...that never comes: dropped
     assert index.num_blocks("c0") == 0
+
+
+def test_an_instance_that_joins_a_restarted_scheduler_is_learnt_from_its_snapshot() -> None:
+    """The scheduler started after the instance: none of its past events reached it."""
+    index = BlockIndex()
+    assert index.needs_snapshot("c0", 4)
+    assert not index.apply(KvEvent("c0", 4, 7, "stored", [9]))  # buffered until the snapshot
+    assert index.is_resyncing("c0") and not index.holds("c0", 9)
+    index.load_snapshot(Snapshot("c0", 4, 6, [1, 2, 3]))
+    assert index.prefix_len("c0", [1, 2, 3, 9]) == 4 and not index.is_resyncing("c0")
+    assert not index.needs_snapshot("c0", 4)  # known in this epoch
+    # An instance that joins before its first event: that event tells everything; a later snapshot adds nothing.
+    assert index.needs_snapshot("c1", 1)
+    assert not index.apply(KvEvent("c1", 1, 0, "cleared", []))
+    assert not index.apply(KvEvent("c1", 1, 1, "stored", [5]))
+    assert not index.is_resyncing("c1") and index.holds("c1", 5)
+    index.load_snapshot(Snapshot("c1", 1, 0, []))  # as of seq 0: older than what the events told
+    index.resync_failed("c1")
+    assert index.holds("c1", 5)
