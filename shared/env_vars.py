@@ -121,6 +121,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("TSUKIMI_MIGRATION_LIMIT", "3",
                "times the gateway places a request again after the instance holding it was lost (0: never): before "
                "its first token it runs again, mid-answer it goes on from the next token elsewhere"),
+        EnvVar("TSUKIMI_SCHEDULER_WAIT_S", "3",
+               "gateway keeps submitting a request this long while no scheduler answers (a restarting one), then 503"),
         EnvVar("TSUKIMI_HTTP_READ_TIMEOUT_S", "30",
                "gateway closes a connection whose request headers or body take longer, or that idles this long"),
         EnvVar("TSUKIMI_API_KEYS_FILE", "", "JSON file of hashed API keys (tsukimi keys add); empty: no API keys"),

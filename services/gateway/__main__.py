@@ -53,7 +53,7 @@ async def build(settings: GatewaySettings, bus: Bus) -> GatewayService:
     config = GatewayConfig(
         settings.engine.block_size, settings.request_timeout_s, settings.max_body_bytes, health_roles,
         progress_timeout_s=settings.progress_timeout_s, http_read_timeout_s=settings.http_read_timeout_s,
-        migration_limit=settings.migration_limit,
+        migration_limit=settings.migration_limit, scheduler_wait_s=settings.scheduler_wait_s,
         api_keys=api_keys,
     )
     return GatewayService(settings, bus, model, config)

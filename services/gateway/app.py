@@ -43,7 +43,8 @@ Parser = Callable[[dict[str, Any]], ChatRequest | CompletionRequest]
 @dataclass(frozen=True)
 class GatewayConfig:
     """HTTP-side settings (from `GatewaySettings`: block_size, request_timeout_s, max_body_bytes, progress_timeout_s,
-    http_read_timeout_s, migration_limit, and the keys of TSUKIMI_API_KEYS_FILE; None: no keys needed).
+    http_read_timeout_s, migration_limit, scheduler_wait_s, and the keys of TSUKIMI_API_KEYS_FILE; None: no keys
+    needed).
     `health_roles` from the deployment: a colocated one has no prefill pool."""
 
     block_size: int = 64
@@ -54,6 +55,7 @@ class GatewayConfig:
     http_read_timeout_s: float = 30.0
     api_keys: ApiKeys | None = None
     migration_limit: int = 3
+    scheduler_wait_s: float = 0.0
 
 
 class Gateway:
@@ -172,7 +174,8 @@ class Gateway:
             ttft_slo_s=options.slo_ttft_ms / 1000 if options.slo_ttft_ms else None,
             tbt_slo_s=options.slo_tbt_ms / 1000 if options.slo_tbt_ms else None,
         )
-        deadlines = Deadlines(self.config.request_timeout_s, self.config.progress_timeout_s)
+        deadlines = Deadlines(self.config.request_timeout_s, self.config.progress_timeout_s,
+                              self.config.scheduler_wait_s)
         return Session(self.backend, submit, deadlines, RequestTimer(self.metrics, time.monotonic()),
                        self.config.migration_limit, self.prompts.hashes)
 

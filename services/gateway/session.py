@@ -28,6 +28,7 @@ MIN_WAIT_S = 0.01  # a wait of 0 would not even look at events already queued
 # A stream has one writer at a time (prefill until the request's hand-off ends, decode from then on), so its events
 # come in order unless one is lost in transit (a NATS restart); later ones held back this long mean it will never come.
 STREAM_GAP_S = 5.0
+SCHEDULER_RETRY_S = (0.05, 0.5)  # between submits while no scheduler answers: the first wait, the longest
 # Failures of where the request ran, not of the request: the instance holding it was lost (or cancelled it because
 # another was), or its prompt's KV did not reach decode. Placed again, it goes on from the last token the client has.
 PLACE_AGAIN_ON = (ErrorType.UNAVAILABLE, ErrorType.KV_TRANSFER)
@@ -37,10 +38,12 @@ Hasher = Callable[[list[int]], list[int]]  # a prompt's block hashes, as the gat
 @dataclass(frozen=True)
 class Deadlines:
     """How long a request may go quiet (progress.py): `progress_timeout_s` while no instance holds it (503),
-    `request_timeout_s` in any case (504)."""
+    `request_timeout_s` in any case (504); and how long its submission may wait for a scheduler that does not answer
+    (one restarting: its supervisor brings it back within a few seconds), `scheduler_wait_s`, before a 503."""
 
     request_timeout_s: float = 300.0
     progress_timeout_s: float = 15.0
+    scheduler_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,11 +147,18 @@ class Session:
         return self
 
     async def _submit(self) -> None:
-        try:
-            reply = await self.backend.submit(self.request)
-        except BackendUnavailable as exc:
-            log.warning("scheduler did not answer", request_id=self.request_id, error=str(exc))
-            raise unavailable("the scheduler is not answering; try again later") from None
+        give_up_at = time.monotonic() + self.deadlines.scheduler_wait_s
+        pause_s, longest_s = SCHEDULER_RETRY_S
+        while True:
+            try:
+                reply = await self.backend.submit(self.request)
+                break
+            except BackendUnavailable as exc:
+                if time.monotonic() + pause_s > give_up_at:
+                    log.warning("scheduler did not answer", request_id=self.request_id, error=str(exc))
+                    raise unavailable("the scheduler is not answering; try again later") from None
+                await asyncio.sleep(pause_s)  # a restarting one comes back within seconds
+                pause_s = min(2 * pause_s, longest_s)
         if not reply.accepted:
             self.is_done = True
             log.info("not accepted", request_id=self.request_id, error_type=reply.error_type, reason=reply.reason)

@@ -138,6 +138,7 @@ def _gateway(get: Reader, role: str) -> Fields:
         request_timeout_s=get.number("TSUKIMI_REQUEST_TIMEOUT_S", minimum=0.1),
         progress_timeout_s=get.number("TSUKIMI_PROGRESS_TIMEOUT_S", minimum=0.1),
         migration_limit=get.integer("TSUKIMI_MIGRATION_LIMIT", minimum=0),
+        scheduler_wait_s=get.number("TSUKIMI_SCHEDULER_WAIT_S", minimum=0.0),
         http_read_timeout_s=get.number("TSUKIMI_HTTP_READ_TIMEOUT_S", minimum=0.1),
         api_keys_file=get.text("TSUKIMI_API_KEYS_FILE") or None,
         insecure_http=get.switch("TSUKIMI_INSECURE_HTTP"),

@@ -45,6 +45,7 @@ class GatewaySettings(ServiceSettings):
     request_timeout_s: float
     progress_timeout_s: float
     migration_limit: int
+    scheduler_wait_s: float
     http_read_timeout_s: float
     api_keys_file: str | None
     insecure_http: bool

@@ -187,8 +187,9 @@ async def test_a_restarted_cache_store_serves_its_ssd_blocks_to_the_conductor(sy
 
 
 async def test_a_killed_scheduler_is_back_with_the_block_index_and_fails_nothing_placed(system: System) -> None:
-    """Its supervisor restarts it; the requests it had placed go on meanwhile, new ones get 503 with Retry-After
-    until it answers, and it learns the cache-store's blocks from a snapshot (the prefix is fetched, not redone)."""
+    """Its supervisor restarts it; the requests it had placed go on meanwhile, new ones wait for it (the gateway
+    submits again for TSUKIMI_SCHEDULER_WAIT_S) or get 503 with Retry-After, and it learns the cache-store's blocks
+    from a snapshot (the prefix is fetched, not redone)."""
     document = "Explain this text:\n" + TEXTS[0][6000:9000]
     fetched = "prefix fetched from the cache-store"
     async with aiohttp.ClientSession() as session:
@@ -206,7 +207,7 @@ async def test_a_killed_scheduler_is_back_with_the_block_index_and_fails_nothing
             os.kill(system.service_pids()["scheduler-0"], signal.SIGKILL)
             killed_at = time.monotonic()
             refused = 0
-            while True:  # new requests: refused with Retry-After until a scheduler answers
+            while True:  # new requests: held until a scheduler answers, or refused with Retry-After
                 status, headers, _ = await _post(session, system, _chat("Say hi."))
                 if status == 200:
                     break

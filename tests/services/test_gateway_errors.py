@@ -177,6 +177,23 @@ async def test_no_scheduler_or_no_instances_is_503(checkpoint: Any) -> None:
     assert not backend.open_streams
 
 
+async def test_a_submission_waits_for_a_restarting_scheduler(checkpoint: Any) -> None:
+    """No scheduler answers for a moment (its supervisor restarts it): the request is submitted again until one does,
+    within TSUKIMI_SCHEDULER_WAIT_S; past it, 503."""
+    backend = FakeBackend(is_scheduler_down=True)
+    waiting = GatewayConfig(block_size=16, scheduler_wait_s=5.0)
+    async with serving(checkpoint, backend, waiting) as (client, _):
+        asyncio.get_running_loop().call_later(0.4, setattr, backend, "is_scheduler_down", False)
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status == 200, await resp.text()
+    assert len(backend.submits) >= 3 and len({s.request_id for s in backend.submits}) == 1
+    backend = FakeBackend(is_scheduler_down=True)
+    async with serving(checkpoint, backend, GatewayConfig(block_size=16, scheduler_wait_s=0.3)) as (client, _):
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status == 503 and "not answering" in (await resp.json())["error"]["message"]
+    assert len(backend.submits) >= 2
+
+
 @pytest.mark.parametrize(("error_type", "status"), [("kv_transfer", 502), ("unavailable", 503), ("internal", 500)])
 async def test_a_failure_event_maps_to_a_status(checkpoint: Any, error_type: str, status: int) -> None:
     def fail(request: SubmitRequest) -> tuple[SubmitReply, list[StreamEvent]]:
