@@ -117,11 +117,9 @@ class Session:
     def __init__(self, backend: Backend, request: SubmitRequest, deadlines: Deadlines, timer: RequestTimer,
                  migration_limit: int = 0, hasher: Hasher | None = None) -> None:
         self.backend, self.request, self.deadlines, self.timer = backend, request, deadlines, timer
-        self.first_request = request
-        self.first_request_id = request.request_id  # the gateway's id: the response's, and every log line's prefix
+        self.first_request = request  # its id is the gateway's: the response's, and every log line's prefix
         self.hasher = hasher
         self.output_ids: list[int] = []  # every token the client has been sent
-        self.num_moved_tokens = 0  # of those, the ones the current placement has as the end of its prompt
         self.request_id = request.request_id  # the backend's id of the current placement
         self.migration_limit = migration_limit
         self.num_placements = 0  # after the first: times it was placed again
@@ -132,10 +130,18 @@ class Session:
         self.ready: list[StreamEvent] = []
         self.is_done = False  # finished normally, or never accepted: nothing to cancel
         self.cancel_reason: str | None = None  # why we cancel, when the caller knows better than the exception
-        self.num_output_tokens = 0
         self.num_prompt_tokens = len(request.prompt_ids)
         self.num_cached_tokens = 0
         self.kv_bytes_saved = 0  # FastGen's figure for this request, from decode (0: it kept every token)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_moved_tokens(self) -> int:
+        """Of the tokens the client has, those the current placement has as the end of its prompt."""
+        return len(self.request.prompt_ids) - len(self.first_request.prompt_ids)
 
     async def __aenter__(self) -> Session:
         self.stream = await self.backend.open_stream(self.request_id)
@@ -201,7 +207,7 @@ class Session:
                 return delta
 
     def _may_place_again(self, event: StreamEvent) -> bool:
-        done = len(self.output_ids)
+        done = self.num_output_tokens
         return (event.error_type in PLACE_AGAIN_ON and self.num_placements < self.migration_limit
                 and (not done or (self.hasher is not None and done < self.first_request.sampling.max_tokens)))
 
@@ -219,8 +225,8 @@ class Session:
         assert self.stream is not None
         self.num_placements += 1
         failed_id = self.request_id
-        self.request_id = f"{self.first_request_id}-r{self.num_placements}"
-        done = len(self.output_ids)
+        self.request_id = f"{self.first_request.request_id}-r{self.num_placements}"
+        done = self.num_output_tokens
         log.warning("placing the request again", request_id=failed_id, new_request_id=self.request_id,
                     placement=self.num_placements + 1, tokens_sent=done, error_type=failure.error_type,
                     error=failure.error)
@@ -229,7 +235,6 @@ class Session:
         await stream.close()
         self.stream = await self.backend.open_stream(self.request_id)
         self.request = self._rest_of(self.request_id, done)
-        self.num_moved_tokens = done
         self.reorderer, self.ready = Reorderer(), []
         self.timer.metrics.placed_again.inc(stage="mid_answer" if done else "before_first_token")
         await self._submit()
@@ -291,7 +296,6 @@ class Session:
         self.kv_bytes_saved = event.kv_bytes_saved or self.kv_bytes_saved  # the latest decode figure
         self.num_prompt_tokens = max(self.num_prompt_tokens, num_prompt_tokens)
         self.output_ids += event.token_ids
-        self.num_output_tokens += len(event.token_ids)
         self.timer.tokens(len(event.token_ids))
         if event.finish_reason:
             self.is_done = True

@@ -174,13 +174,13 @@ class SchedulerService:
                 self.tasks.spawn(self._resync(msg.role, msg.instance_id), f"resync-{msg.instance_id}")
         if msg.role not in (Role.PREFILL, Role.DECODE):
             return
+        # Samples are three numbers each (the heartbeat's invariants); a decode instance's prefill_samples are its
+        # prompts computed where they are decoded.
         cost = self.prefill_cost if msg.role == Role.PREFILL else self.decode_cost
-        for sample in msg.samples:
-            if len(sample) == 3:
-                cost.add_step(*sample)
-        for sample in msg.prefill_samples if msg.role == Role.DECODE else []:  # prompts computed where decoded
-            if len(sample) == 3:
-                self.prefill_cost.add_step(*sample)
+        prompts = msg.prefill_samples if msg.role == Role.DECODE else []
+        for model, samples in ((cost, msg.samples), (self.prefill_cost, prompts)):
+            for sample in samples:
+                model.add_step(*sample)
         self._prune_tracked()
 
     def _prune_tracked(self) -> None:

@@ -16,7 +16,7 @@ class RecordingBus:
         self.snapshots: dict[str, Snapshot] = {}  # what a snapshot request answers; others: no responders
         self.requested: list[tuple[str, Message]] = []
 
-    async def request(self, subject: str, msg: Message, reply_type: type[Message], timeout_s: float = 5.0) -> Message:
+    async def request(self, subject: str, msg: Message, expected: type[Message], timeout_s: float = 2.0) -> Message:
         self.requested.append((subject, msg))
         if isinstance(msg, SnapshotRequest) and msg.instance_id in self.snapshots:
             return self.snapshots[msg.instance_id]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from gateway_fakes import MESSAGES, MODEL, FakeBackend, serving, sse_payloads, token_events
+from gateway_fakes import MESSAGES, MODEL, FakeBackend, Script, serving, sse_payloads, token_events
 from test_gateway_errors import assert_error
 
 from services.gateway.app import GatewayConfig
@@ -23,7 +23,7 @@ LOST = "decode instance decode-0 stopped responding"
 
 
 def failing_first(num_failures: int, error_type: ErrorType = ErrorType.UNAVAILABLE, error: str = LOST,
-                  after: list[str] | None = None):  # noqa: ANN201
+                  after: list[str] | None = None) -> Script:
     """Its first `num_failures` placements fail (after the tokens `after`, if any), the next answers "Hello"."""
     calls = []
 

@@ -46,9 +46,9 @@ Which engines: where the model runs on this machine's CPU (no NVIDIA GPU, or TSU
 given, 2 colocated instances, each prefilling and decoding its own requests on half the cores (as --colocated 2).
 On a CPU prefill and decode share the cores and the memory bandwidth whatever the topology, and two such instances
 keep both busy, where a prefill/decode pair leaves prefill's core idle while decode is the bottleneck (2-core Xeon,
-32 streams: 1.26x the pair's output rate; docs/experiments/peers.md). --prefill N --decode N run Mooncake's
-disaggregated pools (the default with a GPU, with --engine sim, or with the conductor policy), which pay where
-prefill and decode get hardware of their own.
+32 streams, two runs: 1.26x-1.37x the pair's output rate; docs/experiments/peers.md). --prefill N --decode N
+run Mooncake's disaggregated pools (the default with a GPU, with --engine sim, or with the conductor policy), which
+pay where prefill and decode get hardware of their own.
 
 Each process writes its output to DIR/<instance>.log (--log-dir; default: a new temporary folder, printed at start);
 the terminal shows only what needs attention. A process that exits is restarted after 0.5 s, doubling up to 10 s
@@ -81,7 +81,8 @@ LOCAL_PREFILL_TOKENS_ONE_MACHINE = 512
 # Where the engines compute on this machine's CPU, prefill and decode share its cores and memory bandwidth whatever
 # the topology; two colocated instances (each prefilling and decoding, a half of the cores each) then keep both cores
 # on the work at hand, where a prefill/decode pair leaves the prefill core idle while decode is the bottleneck (2-core
-# Xeon with AMX, 32 streams: 349 against 276 output tok/s, vLLM's CPU build 289; docs/experiments/peers.md).
+# Xeon with AMX, 32 streams, two runs: 349 and 366 against 276 and 266 output tok/s, vLLM 289 and 268;
+# docs/experiments/peers.md).
 # Disaggregation pays where prefill and decode get hardware of their own: GPUs, or several machines.
 CPU_DEFAULT_COLOCATED = 2
 STOP_SERVICES_S = 6.5  # SIGTERM grace of the services; NATS goes last with STOP_NATS_S: 8 s in all, then SIGKILL
